@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine:
+#   make demo   sets everything up and runs the quickstart
+#   make test   sets everything up and runs the test suite
+#
+# PyTorch is installed first, on its own, so that pip never resolves `torch`
+# to the multi-gigabyte CUDA build on a machine without a GPU. Override
+# TORCH_SPEC (for example with a CUDA index) on a GPU machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/mbtune: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -qq --upgrade pip
+	$(BIN)/python -m pip install -qq $(TORCH_SPEC)
+	$(BIN)/python -m pip install -qq -e ".[dev]"
+	touch $(BIN)/mbtune
+
+setup: $(BIN)/mbtune
+
+demo: setup
+	$(BIN)/mbtune validate experiments/quickstart.yaml
+	$(BIN)/mbtune space experiments/quickstart.yaml
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,721 @@
+"""The experiment: YAML in, frozen typed dataclasses out, validated once.
+
+Everything downstream takes an :class:`Experiment` and trusts it. Every error raised
+here is a :class:`ConfigError` whose one-line message names the field, the rule, the
+value given and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mbtune import lattice
+from mbtune.errors import MbtuneError
+from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
+
+__all__ = [
+    "BACKENDS",
+    "DEVICES",
+    "OBJECTIVES",
+    "PARALLEL",
+    "SAMPLERS",
+    "SEARCH_SPACES_DIR",
+    "ConfigError",
+    "Experiment",
+    "IntRange",
+    "ModelConfig",
+    "RayConfig",
+    "SearchConfig",
+    "SpaceConfig",
+    "TrainInput",
+    "TrialConfig",
+    "apply_overrides",
+    "load_experiment",
+    "parse_experiment",
+    "parse_memory",
+]
+
+SAMPLERS = ("tpe", "gp", "random", "grid", "halving", "doubling")
+OBJECTIVES = ("samples_per_s", "samples_per_s_per_device")
+BACKENDS = ("torch", "replay")
+DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("simulate", "ddp")
+BUILTIN_MODELS = ("gpt", "mlp", "cnn_bn")
+SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+class ConfigError(MbtuneError):
+    """Bad input in an experiment; ``str()`` is the one line shown to the user."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+
+
+# ---------------------------------------------------------------------------
+# sections
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str
+    """``gpt``, ``mlp``, ``cnn_bn``, or ``package.module:function`` for a user model."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Model-specific keys (every key under ``model:`` but ``name``)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in BUILTIN_MODELS and not _is_user_model(self.name):
+            raise ConfigError(
+                "model.name",
+                f"unknown model {self.name!r}; valid: {', '.join(BUILTIN_MODELS)}, or "
+                f"package.module:function{_did_you_mean(self.name, BUILTIN_MODELS)}",
+            )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.name in BUILTIN_MODELS
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainInput:
+    """The user's own configuration: the reference for "faster than yours"."""
+
+    batch_size: int
+    """Global batch B: samples per optimizer step, all devices together."""
+    micro_batch_size: int | str = "auto"
+    """A positive int (use exactly this m), ``none``, ``auto`` or ``explore``."""
+    num_devices: int = 1
+    """Data-parallel devices n (YAML also accepts the Cerebras spelling ``num_csx``)."""
+    allow_uneven: bool = False
+    """Allow splits that differ by one sample where strict validity would refuse them."""
+    pipeline_stages: int = 1
+    """Pipeline stages p; p > 1 adds Megatron's bubble (p - 1) / micro-batches."""
+
+    def __post_init__(self) -> None:
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        if b < n:
+            raise ConfigError(
+                "train_input.batch_size",
+                f"batch_size {b} is smaller than num_devices {n}: every device needs at "
+                f"least one sample; use batch_size >= {n}",
+            )
+        uneven_ok = self.allow_uneven or m == "explore"
+        if b % n and not uneven_ok:
+            with _lattice_rule("train_input.batch_size"):
+                lattice.check_strict(b, n, 1)
+        if isinstance(m, int):
+            p = lattice.per_device_batch(b, n)
+            if m > p:
+                raise ConfigError(
+                    "train_input.micro_batch_size",
+                    f"micro_batch_size {m} exceeds the per-device batch {p} (batch_size {b} / "
+                    f"num_devices {n}); valid: 1..{p}",
+                )
+            if not uneven_ok:
+                with _lattice_rule("train_input.micro_batch_size"):
+                    lattice.check_strict(b, n, m)
+        if self.pipeline_stages > 1 and m == "explore":
+            raise ConfigError(
+                "train_input.pipeline_stages",
+                f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches; "
+                "use micro_batch_size: auto, none or an int",
+            )
+        if self.pipeline_stages > 1 and self.allow_uneven:
+            raise ConfigError(
+                "train_input.allow_uneven",
+                "uneven splits cannot be pipelined: Megatron requires batch_size = num_devices x "
+                "micro_batch_size x micro-batches; set allow_uneven: false",
+            )
+
+    @property
+    def mode(self) -> str:
+        """``int``, ``none``, ``auto`` or ``explore``."""
+        return "int" if isinstance(self.micro_batch_size, int) else self.micro_batch_size
+
+    @property
+    def config(self) -> BatchConfig | None:
+        """The user's own (B, n, m), where the mode fixes m."""
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        if isinstance(m, int):
+            return BatchConfig(b, n, m)
+        if m == "none":
+            return BatchConfig(b, n, lattice.per_device_batch(b, n))
+        return None
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An inclusive ``{min, max}`` range of integers."""
+
+    min: int
+    max: int
+
+    def values(self) -> list[int]:
+        return list(range(self.min, self.max + 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpaceConfig:
+    """What may vary; a dimension left out stays at its train_input value."""
+
+    num_devices: tuple[int, ...] | IntRange | None = None
+    micro_batch_size: tuple[int, ...] | IntRange | None = None
+    batch_size: int | IntRange | None = None
+    source: str = "inline"
+    """Where the space came from: ``inline``, a name from search_spaces/, or a path."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    space: SpaceConfig = field(default_factory=SpaceConfig)
+    sampler: str = "tpe"
+    """``tpe``, ``gp``, ``random``, ``grid``, or the baselines ``halving`` and ``doubling``."""
+    objective: str = "samples_per_s"
+    """``samples_per_s`` (global throughput) or ``samples_per_s_per_device``."""
+    num_samples: int = 20
+    """Most trials to run (a trial is one measured configuration)."""
+    time_budget_s: float | None = None
+    """Stop starting trials after this many seconds; None: no limit."""
+    confidence_target: int = 90
+    """Stop once the confidence score reaches this (1..99)."""
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialConfig:
+    backend: str = "torch"
+    """``torch`` (measure a real model) or ``replay`` (answer from ``table``)."""
+    table: Path | None = None
+    """CSV of measured throughputs, for the replay backend."""
+    noise: float = 0.0
+    """Relative noise added to each replayed step time (0.03 = 3%)."""
+    device: str = "auto"
+    """``auto`` (CUDA where there is one), ``cpu`` or ``cuda``."""
+    parallel: str = "simulate"
+    """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp``."""
+    compile: bool = True
+    """Compile the model with torch.compile; compile time is reported apart."""
+    warmup_steps: int = 2
+    measure_steps: int = 5
+    device_memory: int | None = None
+    """Memory budget per device in bytes (YAML: ``8GiB``, ``512MB`` or bytes); above it: oom."""
+    timeout_s: float = 600.0
+    """A trial still running after this many seconds is stopped and recorded as timeout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    address: str | None = None
+    """None: start an embedded local Ray; ``auto`` or ``ray://host:port``: join a cluster."""
+    dashboard: bool = False
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    max_concurrent_trials: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    name: str
+    model: ModelConfig
+    train_input: TrainInput
+    search: SearchConfig = field(default_factory=SearchConfig)
+    trial: TrialConfig = field(default_factory=TrialConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    output_dir: Path = Path("runs")
+    source: Path | None = None
+    """The YAML file this came from (None when built in code)."""
+
+    def __post_init__(self) -> None:
+        if self.trial.backend == "replay" and self.trial.table is None:
+            raise ConfigError("trial.table", "the replay backend needs trial.table: a CSV path")
+        if self.trial.parallel == "ddp" and self.train_input.pipeline_stages > 1:
+            raise ConfigError(
+                "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
+            )
+        if not self.configs():
+            raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
+
+    # -- the lattice this experiment searches ------------------------------
+
+    def configs(self) -> list[BatchConfig]:
+        """Every configuration the search may try (see lattice.enumerate_configs)."""
+        return _enumerate(self.train_input, self.search.space)
+
+    def _space_summary(self) -> str:
+        t, s = self.train_input, self.search.space
+        return (
+            f"micro_batch_size {t.micro_batch_size!r}, batch_size "
+            f"{_describe(s.batch_size) if s.batch_size is not None else t.batch_size}, "
+            f"num_devices {_describe(s.num_devices) if s.num_devices else t.num_devices}, "
+            f"space micro_batch_size {_describe(s.micro_batch_size)}"
+            + ("" if t.allow_uneven else ", allow_uneven false")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved experiment, as YAML would spell it (for the run directory)."""
+        return _plain(
+            {
+                "name": self.name,
+                "model": {"name": self.model.name, **self.model.options},
+                "train_input": dataclasses.asdict(self.train_input),
+                "search": {
+                    **{k: v for k, v in dataclasses.asdict(self.search).items() if k != "space"},
+                    "space": {
+                        k: v
+                        for k, v in dataclasses.asdict(self.search.space).items()
+                        if v is not None and k != "source"
+                    },
+                },
+                "trial": dataclasses.asdict(self.trial),
+                "ray": dataclasses.asdict(self.ray),
+                "output_dir": self.output_dir,
+            }
+        )
+
+
+def _enumerate(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
+    ns = _values(s.num_devices) if s.num_devices is not None else [t.num_devices]
+    ms = _values(s.micro_batch_size) if s.micro_batch_size is not None else None
+    batch_range = isinstance(s.batch_size, IntRange)
+    if batch_range:
+        batch_sizes: Any = (s.batch_size.min, s.batch_size.max)  # type: ignore[union-attr]
+    else:
+        batch_sizes = [s.batch_size if s.batch_size is not None else t.batch_size]
+    if isinstance(t.micro_batch_size, int) and ms is not None and not batch_range:
+        ms = None  # an explicit m is the user's choice; the space cannot vary it
+    with _lattice_rule("search.space"):
+        return lattice.enumerate_configs(
+            mode=t.micro_batch_size,
+            batch_sizes=batch_sizes,
+            num_devices=ns,
+            micro_batch_sizes=ms,
+            batch_range=batch_range,
+            allow_uneven=t.allow_uneven,
+        )
+
+
+def _values(v: tuple[int, ...] | IntRange) -> list[int]:
+    return v.values() if isinstance(v, IntRange) else list(v)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, IntRange):
+        return f"{v.min}..{v.max}"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(map(str, v)) + "]"
+    return "not listed" if v is None else str(v)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+@contextmanager
+def _lattice_rule(where: str) -> Iterator[None]:
+    """Report a broken lattice rule as a config error at ``where``."""
+    try:
+        yield
+    except LatticeError as e:
+        raise ConfigError(where, str(e)) from None
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
+    """Read an experiment YAML (safe loader only), apply ``--set`` overrides, validate."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError("", f"experiment file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError("", f"{path} is a directory; expected an experiment YAML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError("", f"{path}: not a text file (expected UTF-8 YAML)") from None
+    except OSError as e:
+        raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
+    raw = _safe_load(text, str(path))
+    raw = apply_overrides(raw, overrides)
+    return parse_experiment(raw, source=path)
+
+
+def _safe_load(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError("", f"{where}: invalid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise ConfigError("", f"{where}: YAML nested too deeply") from None
+
+
+def apply_overrides(raw: Any, overrides: Sequence[str]) -> Any:
+    """Apply ``key.path=value`` overrides; values are parsed as YAML scalars or lists."""
+    if not overrides:
+        return raw
+    raw = dict(raw) if isinstance(raw, Mapping) else raw
+    if not isinstance(raw, dict):
+        return raw  # parse_experiment reports the real problem
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(
+                "--set", f"expected KEY.PATH=VALUE, e.g. train_input.batch_size=128, got {item!r}"
+            )
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, Mapping) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = _safe_load(value, f"--set {key}")
+    return raw
+
+
+def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
+    """Build a validated Experiment from the mapping a YAML file holds."""
+    base = source.parent if source is not None else Path.cwd()
+    top = _Section(raw, "", _EXPERIMENT_KEYS, what="the experiment")
+    name = top.str("name", default=source.stem if source else None, required=source is None)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", name):
+        raise ConfigError(
+            "name", f"{name!r} is not a valid name: use letters, digits, '_', '-', '.' (1-100)"
+        )
+    return Experiment(
+        name=name,
+        model=_parse_model(top.get("model", required=True)),
+        train_input=_parse_train_input(top.get("train_input", required=True)),
+        search=_parse_search(top.get("search", default={}), base),
+        trial=_parse_trial(top.get("trial", default={}), base),
+        ray=_parse_ray(top.get("ray", default={})),
+        output_dir=Path(top.str("output_dir", default="runs")),
+        source=source,
+    )
+
+
+_EXPERIMENT_KEYS = ("name", "model", "train_input", "search", "trial", "ray", "output_dir")
+
+
+def _parse_model(raw: Any) -> ModelConfig:
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    sec = _Section(raw, "model", None)
+    name = sec.str("name", required=True)
+    options = {k: v for k, v in sec.data.items() if k != "name"}
+    model = ModelConfig(name=name, options=options)
+    if model.is_builtin:
+        from mbtune.models import check_options  # imports torch, so only when needed
+
+        check_options(name, options)
+    return model
+
+
+def _parse_train_input(raw: Any) -> TrainInput:
+    sec = _Section(raw, "train_input", ("num_csx", *_field_names(TrainInput)))
+    if "num_csx" in sec.data and "num_devices" in sec.data:
+        raise ConfigError(
+            "train_input.num_csx",
+            "give num_devices or its Cerebras alias num_csx, not both",
+        )
+    devices_key = "num_csx" if "num_csx" in sec.data else "num_devices"
+    mbs = sec.get("micro_batch_size", default="auto")
+    if isinstance(mbs, str) and mbs.lower() in lattice.MODES:
+        mbs = mbs.lower()
+    else:
+        mbs = _number(
+            mbs,
+            "train_input.micro_batch_size",
+            minimum=1,
+            integer=True,
+            also="'auto', 'explore' or 'none'",
+        )
+    return TrainInput(
+        batch_size=sec.int("batch_size", required=True),
+        micro_batch_size=mbs,
+        num_devices=sec.int(devices_key, default=1),
+        allow_uneven=sec.bool("allow_uneven", default=False),
+        pipeline_stages=sec.int("pipeline_stages", default=1),
+    )
+
+
+def _parse_search(raw: Any, base: Path) -> SearchConfig:
+    sec = _Section(raw, "search", _field_names(SearchConfig))
+    space_raw = sec.get("space", default="default")
+    sampler = sec.choice("sampler", SAMPLERS, default="tpe")
+    objective = sec.choice("objective", OBJECTIVES, default="samples_per_s")
+    return SearchConfig(
+        space=_parse_space(space_raw, base),
+        sampler=sampler,
+        objective=objective,
+        num_samples=sec.int("num_samples", default=20),
+        time_budget_s=sec.float("time_budget_s", default=None, minimum=0.0),
+        confidence_target=sec.int("confidence_target", default=90, maximum=99),
+        seed=sec.int("seed", default=0, minimum=0),
+    )
+
+
+def _parse_space(raw: Any, base: Path) -> SpaceConfig:
+    where = "search.space"
+    source = "inline"
+    if isinstance(raw, str):
+        path = _space_path(raw, base)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(where, f"cannot read space file {path}: {e}") from None
+        source = raw
+        raw = _safe_load(text, str(path))
+        if raw is None:
+            raw = {}
+    sec = _Section(raw, where, ("num_devices", "micro_batch_size", "batch_size"))
+    return SpaceConfig(
+        num_devices=sec.int_list_or_range("num_devices"),
+        micro_batch_size=sec.int_list_or_range("micro_batch_size"),
+        batch_size=sec.int_or_range("batch_size"),
+        source=source,
+    )
+
+
+def _space_path(value: str, base: Path) -> Path:
+    """A space is a name from search_spaces/ or a path (relative to the experiment file)."""
+    if value.endswith((".yaml", ".yml")) or "/" in value:
+        for candidate in (base / value, Path(value)):
+            if candidate.is_file():
+                return candidate
+        raise ConfigError("search.space", f"space file not found: {value}")
+    names = sorted(p.stem for p in SEARCH_SPACES_DIR.glob("*.yaml"))
+    if value not in names:
+        raise ConfigError(
+            "search.space",
+            f"unknown space {value!r}; valid: {', '.join(names)}, a path to a YAML file, or "
+            f"an inline mapping{_did_you_mean(value, names)}",
+        )
+    return SEARCH_SPACES_DIR / f"{value}.yaml"
+
+
+def _parse_trial(raw: Any, base: Path) -> TrialConfig:
+    sec = _Section(raw, "trial", _field_names(TrialConfig))
+    table = sec.str("table", default=None)
+    memory = sec.get("device_memory", default=None)
+    return TrialConfig(
+        backend=sec.choice("backend", BACKENDS, default="torch"),
+        table=(base / table) if table is not None else None,
+        noise=sec.float("noise", default=0.0, minimum=0.0, maximum=1.0),
+        device=sec.choice("device", DEVICES, default="auto"),
+        parallel=sec.choice("parallel", PARALLEL, default="simulate"),
+        compile=sec.bool("compile", default=True),
+        warmup_steps=sec.int("warmup_steps", default=2, minimum=0),
+        measure_steps=sec.int("measure_steps", default=5),
+        device_memory=parse_memory(memory, "trial.device_memory") if memory is not None else None,
+        timeout_s=sec.float("timeout_s", default=600.0, minimum=1.0),
+    )
+
+
+def _parse_ray(raw: Any) -> RayConfig:
+    sec = _Section(raw, "ray", _field_names(RayConfig))
+    return RayConfig(
+        address=sec.str("address", default=None),
+        dashboard=sec.bool("dashboard", default=False),
+        cpus_per_trial=sec.float("cpus_per_trial", default=1.0, minimum=0.0),
+        gpus_per_trial=sec.float("gpus_per_trial", default=0.0, minimum=0.0),
+        max_concurrent_trials=sec.int("max_concurrent_trials", default=1),
+    )
+
+
+_MEMORY_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_memory(value: Any, where: str = "trial.device_memory") -> int:
+    """``8GiB``, ``512MB``, ``1.5GB`` or a number of bytes -> bytes."""
+    rule = "expected bytes or a size such as 8GiB, 512MB, 1.5GB"
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(where, f"must be positive, got {value}; {rule}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not isinstance(value, str) or not match or match[2].lower() not in _MEMORY_UNITS:
+        raise ConfigError(where, f"{_show(value)} is not a memory size; {rule}")
+    size = int(float(match[1]) * _MEMORY_UNITS[match[2].lower()])
+    if size < 1:
+        raise ConfigError(where, f"must be positive, got {value!r}; {rule}")
+    return size
+
+
+# ---------------------------------------------------------------------------
+# typed access to one mapping of the YAML
+
+
+class _Section:
+    """One mapping of the YAML: checks its type, its keys, and each value's type."""
+
+    def __init__(
+        self, raw: Any, where: str, known: Sequence[str] | None, *, what: str | None = None
+    ) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                where, f"{what or 'this section'} must be a mapping of keys, got {_kind(raw)}"
+            )
+        self.where = where
+        self.data = dict(raw)
+        for key in self.data:
+            if not isinstance(key, str):
+                raise ConfigError(self._at(str(key)), f"keys must be text, got {_kind(key)}")
+            if known is not None and key not in known:
+                raise ConfigError(
+                    self._at(key),
+                    f"unknown key; valid keys: {', '.join(known)}{_did_you_mean(key, known)}",
+                )
+
+    def _at(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, *, default: Any = None, required: bool = False) -> Any:
+        if key not in self.data:
+            if required:
+                raise ConfigError(self._at(key), "required key is missing")
+            return default
+        return self.data[key]
+
+    def str(self, key: str, *, default: Any = None, required: bool = False) -> Any:
+        value = self.get(key, default=default, required=required)
+        if value is None or isinstance(value, str) and value:
+            return value
+        raise ConfigError(self._at(key), f"expected non-empty text, got {_show(value)}")
+
+    def choice(self, key: str, choices: Sequence[str], *, default: str) -> str:
+        value = self.get(key, default=default)
+        if isinstance(value, str) and value.lower() in choices:
+            return value.lower()
+        suggestion = _did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise ConfigError(
+            self._at(key), f"{_show(value)} is not one of: {', '.join(choices)}{suggestion}"
+        )
+
+    def bool(self, key: str, *, default: bool) -> bool:
+        value = self.get(key, default=default)
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(self._at(key), f"expected true or false, got {_show(value)}")
+
+    def int(
+        self, key: str, *, default: int | None = None, required: bool = False,
+        minimum: int = 1, maximum: int | None = None,
+    ) -> int:  # fmt: skip
+        value = self.get(key, default=default, required=required)
+        return _number(value, self._at(key), minimum=minimum, maximum=maximum, integer=True)
+
+    def float(
+        self, key: str, *, default: float | None, minimum: float, maximum: float | None = None
+    ) -> float | None:
+        value = self.get(key, default=default)
+        if value is None:
+            return None
+        return _number(value, self._at(key), minimum=minimum, maximum=maximum, integer=False)
+
+    def int_or_range(self, key: str) -> int | IntRange | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, Mapping):
+            return self._range(key, value)
+        return _number(value, self._at(key), minimum=1, integer=True, also="a {min, max} range")
+
+    def int_list_or_range(self, key: str) -> tuple[int, ...] | IntRange | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, Mapping):
+            return self._range(key, value)
+        if isinstance(value, list):
+            if not value:
+                raise ConfigError(self._at(key), "the list is empty; give at least one size")
+            items = [_number(v, self._at(key), minimum=1, integer=True) for v in value]
+            return tuple(sorted(set(items)))
+        value = _number(value, self._at(key), minimum=1, integer=True, also="a list or {min, max}")
+        return (value,)
+
+    def _range(self, key: str, value: Mapping[Any, Any]) -> IntRange:
+        sub = _Section(value, self._at(key), ("min", "max"))
+        lo = sub.int("min", required=True)
+        hi = sub.int("max", required=True)
+        if lo > hi:
+            raise ConfigError(self._at(key), f"min {lo} is greater than max {hi}")
+        if hi - lo >= MAX_CONFIGS:
+            raise ConfigError(
+                self._at(key), f"range {lo}..{hi} is too wide: at most {MAX_CONFIGS} values"
+            )
+        return IntRange(lo, hi)
+
+
+_INT_LIMIT = 2**31 - 1
+"""No real batch or device count comes near this; refusing larger keeps the arithmetic fast."""
+
+
+def _number(
+    value: Any, where: str, *, minimum: float, integer: bool,
+    maximum: float | None = None, also: str = "",
+) -> Any:  # fmt: skip
+    if maximum is None:
+        maximum = _INT_LIMIT
+    kind = "a whole number" if integer else "a number"
+    valid = f"{kind} from {minimum} to {maximum}" + (f", or {also}" if also else "")
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if (
+        isinstance(value, bool)
+        or not ok_type
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise ConfigError(where, f"expected {valid}, got {_show(value)}")
+    if not minimum <= value <= maximum:
+        raise ConfigError(where, f"{_show(value)} is out of range; expected {valid}")
+    return value
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _is_user_model(name: str) -> bool:
+    return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name) is not None
+
+
+def _did_you_mean(value: Any, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(value).lower(), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "text", dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    """A value as the message shows it: on one line, and never pages long."""
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,341 @@
+"""The batch lattice: which (batch_size, num_devices, micro_batch_size) can run, and how.
+
+Pure integer arithmetic (no torch, no ray), in the vocabulary of DESIGN.md:
+
+    B  batch_size         global batch, samples per optimizer step, all devices together
+    n  num_devices        data-parallel devices
+    P  per_device_batch   ceil(B / n); devices differ by at most one sample
+    m  micro_batch_size   samples in one forward/backward pass on one device
+    g  grad_accum_steps   ceil(P / m); micro-batches differ by at most one sample
+
+A configuration is *strictly valid* (what Cerebras requires of an explicit
+micro_batch_size) when B >= n, B % n == 0 and (B / n) % m == 0. Uneven splits are
+allowed only where the mode or ``allow_uneven`` says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mbtune.errors import MbtuneError
+
+__all__ = [
+    "MAX_CONFIGS",
+    "MODES",
+    "BatchConfig",
+    "LatticeError",
+    "bubble_fraction",
+    "canonical_micro_batch_size",
+    "check_strict",
+    "divisors",
+    "enumerate_configs",
+    "even_split",
+    "grad_accum_steps",
+    "is_strictly_valid",
+    "megatron_global_batch",
+    "nearest_valid_batch_sizes",
+    "num_microbatches",
+    "per_device_batch",
+    "valid_micro_batch_sizes",
+]
+
+MODES = ("auto", "explore", "none")
+"""The named micro-batch modes; a positive int is the fourth (explicit) mode."""
+
+MAX_CONFIGS = 100_000
+"""A space larger than this is refused: no search could cover it."""
+
+
+class LatticeError(MbtuneError):
+    """A configuration breaks a rule of the lattice; the message names rule and numbers."""
+
+
+# ---------------------------------------------------------------------------
+# splits
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """Spread ``total`` samples over ``parts`` so that sizes differ by at most one.
+
+    The larger parts come first: ``even_split(10, 3) == [4, 3, 3]``.
+    """
+    if parts < 1:
+        raise LatticeError(f"cannot split {total} samples into {parts} parts: parts must be >= 1")
+    if total < parts:
+        raise LatticeError(f"cannot split {total} samples into {parts} non-empty parts")
+    q, r = divmod(total, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def per_device_batch(batch_size: int, num_devices: int) -> int:
+    """P = ceil(B / n): the largest share of the global batch on one device."""
+    return -(-batch_size // num_devices)
+
+
+def grad_accum_steps(per_device: int, micro_batch_size: int) -> int:
+    """g = ceil(P / m): forward/backward passes per optimizer step."""
+    return -(-per_device // micro_batch_size)
+
+
+def canonical_micro_batch_size(per_device: int, micro_batch_size: int) -> int:
+    """The largest micro-batch actually run when P is spread evenly over ceil(P / m).
+
+    Every m with the same ceil(P / m) runs identical micro-batches, so they are one
+    measurement; this is its representative. ``canonical_micro_batch_size(8, 5) == 4``.
+    """
+    return per_device_batch(per_device, grad_accum_steps(per_device, micro_batch_size))
+
+
+def divisors(k: int) -> list[int]:
+    """The positive divisors of ``k`` in increasing order."""
+    small, large = [], []
+    for d in range(1, math.isqrt(k) + 1):
+        if k % d == 0:
+            small.append(d)
+            if d != k // d:
+                large.append(k // d)
+    return small + large[::-1]
+
+
+# ---------------------------------------------------------------------------
+# strict validity
+
+
+def is_strictly_valid(batch_size: int, num_devices: int, micro_batch_size: int) -> bool:
+    """B >= n, B % n == 0 and (B / n) % m == 0 (all positive)."""
+    if min(batch_size, num_devices, micro_batch_size) < 1 or batch_size < num_devices:
+        return False
+    return batch_size % num_devices == 0 and (batch_size // num_devices) % micro_batch_size == 0
+
+
+def valid_micro_batch_sizes(batch_size: int, num_devices: int) -> list[int]:
+    """Every m for which (B, n, m) is strictly valid: the divisors of B / n."""
+    if batch_size < num_devices or batch_size % num_devices:
+        return []
+    return divisors(batch_size // num_devices)
+
+
+def nearest_valid_batch_sizes(
+    batch_size: int, num_devices: int, micro_batch_size: int
+) -> tuple[int | None, int]:
+    """The nearest strictly valid batch sizes at or below and at or above ``batch_size``.
+
+    Strictly valid batch sizes for (n, m) are the positive multiples of n * m. Below is
+    None when no positive one exists. When ``batch_size`` is itself valid, both are it.
+    """
+    step = num_devices * micro_batch_size
+    below = (batch_size // step) * step
+    above = -(-batch_size // step) * step
+    return (below if below > 0 else None), max(above, step)
+
+
+def check_strict(batch_size: int, num_devices: int, micro_batch_size: int) -> None:
+    """Raise LatticeError naming the broken rule, both numbers and what would be valid."""
+    b, n, m = batch_size, num_devices, micro_batch_size
+    if b < n:
+        raise LatticeError(
+            f"batch_size {b} is smaller than num_devices {n}: every device needs at least "
+            f"one sample; use batch_size >= {n} or num_devices <= {b}"
+        )
+    if b % n:
+        below, above = nearest_valid_batch_sizes(b, n, 1)
+        raise LatticeError(
+            f"batch_size {b} is not divisible by num_devices {n}; nearest valid batch_size: "
+            f"{_below_above(below, above)} (or set allow_uneven: true)"
+        )
+    per_device = b // n
+    if per_device % m:
+        below, above = nearest_valid_batch_sizes(b, n, m)
+        valid = ", ".join(map(str, valid_micro_batch_sizes(b, n)))
+        raise LatticeError(
+            f"micro_batch_size {m} does not divide the per-device batch {per_device} "
+            f"(batch_size {b} / num_devices {n}); nearest valid batch_size for "
+            f"micro_batch_size {m}: {_below_above(below, above)}; valid micro_batch_size "
+            f"for batch_size {b}: {valid}"
+        )
+
+
+def _below_above(below: int | None, above: int) -> str:
+    return f"{above} (above)" if below is None else f"{below} (below) or {above} (above)"
+
+
+# ---------------------------------------------------------------------------
+# pipeline parallelism (Megatron's relations)
+
+
+def megatron_global_batch(data_parallel_size: int, micro_batch_size: int, microbatches: int) -> int:
+    """Megatron-LM: global batch = data-parallel size x micro-batch size x micro-batches."""
+    return data_parallel_size * micro_batch_size * microbatches
+
+
+def num_microbatches(batch_size: int, data_parallel_size: int, micro_batch_size: int) -> int:
+    """Micro-batches per step for a pipeline; Megatron requires an exact division."""
+    step = data_parallel_size * micro_batch_size
+    if batch_size % step:
+        raise LatticeError(
+            f"batch_size {batch_size} is not divisible by num_devices x micro_batch_size "
+            f"= {data_parallel_size} x {micro_batch_size} = {step}, which a pipeline requires"
+        )
+    return batch_size // step
+
+
+def bubble_fraction(pipeline_stages: int, microbatches: int) -> float:
+    """The idle share of a pipeline step: (p - 1) / number of micro-batches."""
+    return (pipeline_stages - 1) / microbatches
+
+
+# ---------------------------------------------------------------------------
+# configurations
+
+
+@dataclass(frozen=True, order=True)
+class BatchConfig:
+    """One point of the lattice: (batch_size, num_devices, micro_batch_size)."""
+
+    batch_size: int
+    num_devices: int
+    micro_batch_size: int
+
+    def __post_init__(self) -> None:
+        if min(self.batch_size, self.num_devices, self.micro_batch_size) < 1:
+            raise LatticeError(f"sizes must be positive, got {self}")
+        if self.batch_size < self.num_devices:
+            raise LatticeError(
+                f"batch_size {self.batch_size} is smaller than num_devices {self.num_devices}"
+            )
+
+    @property
+    def per_device_batch(self) -> int:
+        return per_device_batch(self.batch_size, self.num_devices)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return grad_accum_steps(self.per_device_batch, self.micro_batch_size)
+
+    @property
+    def device_batch_sizes(self) -> list[int]:
+        """Samples on each device: the even split of B over n."""
+        return even_split(self.batch_size, self.num_devices)
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """The micro-batches run on the busiest device (P samples): the even split of P."""
+        return even_split(self.per_device_batch, self.grad_accum_steps)
+
+    @property
+    def canonical_micro_batch_size(self) -> int:
+        """The largest micro-batch actually run; equal for every m with the same g."""
+        return canonical_micro_batch_size(self.per_device_batch, self.micro_batch_size)
+
+    @property
+    def is_strict(self) -> bool:
+        return is_strictly_valid(self.batch_size, self.num_devices, self.micro_batch_size)
+
+    def canonical(self) -> BatchConfig:
+        """The same measurement, named by the micro-batch it really runs."""
+        return BatchConfig(self.batch_size, self.num_devices, self.canonical_micro_batch_size)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "batch_size": self.batch_size,
+            "num_devices": self.num_devices,
+            "micro_batch_size": self.micro_batch_size,
+            "per_device_batch": self.per_device_batch,
+            "grad_accum_steps": self.grad_accum_steps,
+        }
+
+
+def enumerate_configs(
+    *,
+    mode: int | str,
+    batch_sizes: Iterable[int] | tuple[int, int],
+    num_devices: Sequence[int],
+    micro_batch_sizes: Sequence[int] | None = None,
+    batch_range: bool = False,
+    allow_uneven: bool = False,
+    limit: int = MAX_CONFIGS,
+) -> list[BatchConfig]:
+    """Every configuration a search may try, sorted by (n, B, m).
+
+    ``mode`` is an explicit micro-batch size or one of :data:`MODES`.
+    ``micro_batch_sizes`` is the space's list of m (None: not listed).
+
+    With a fixed batch size (``batch_range`` false, ``batch_sizes`` the candidates):
+
+    - int m: that m where (B, n, m) is strictly valid; with ``allow_uneven``, any B >= n
+      with m <= P.
+    - ``none``: m = P (no accumulation); B % n == 0 unless ``allow_uneven``.
+    - ``auto``: the divisors of P (strictly valid only), restricted to the space's m.
+    - ``explore``: every m of the space up to P (all of 1..P when the space lists none),
+      divisible or not; devices and micro-batches split evenly within one sample.
+
+    With a batch range (``batch_range`` true, ``batch_sizes`` = (min, max)), B is free and
+    follows from the rest as B = n x m x g, for every g >= 1 with B in range (strictly
+    valid by construction); m comes from the space (int mode: the fixed m; ``none``:
+    g = 1). The space must then list micro_batch_size unless the mode is an int.
+
+    More than ``limit`` configurations is an error: no search could cover them.
+    """
+    configs: set[BatchConfig] = set()
+
+    def add(batch: int, n: int, ms: Iterable[int]) -> None:
+        configs.update(BatchConfig(batch, n, m) for m in ms)
+        if len(configs) > limit:
+            raise LatticeError(
+                f"the space holds more than {limit} configurations; narrow its ranges"
+            )
+
+    if batch_range:
+        lo, hi = batch_sizes  # type: ignore[misc]
+        for n in sorted(num_devices):
+            for m in sorted(_range_micro_sizes(mode, micro_batch_sizes)):
+                step = n * m
+                if step > hi:
+                    break
+                g_max = 1 if mode == "none" else hi // step
+                for g in range(max(1, -(-lo // step)), g_max + 1):
+                    add(step * g, n, [m])
+        return sorted(configs, key=_order)
+
+    for n in num_devices:
+        for b in batch_sizes:
+            if b < n:
+                continue
+            even = b % n == 0
+            p = per_device_batch(b, n)
+            if mode == "explore":
+                if micro_batch_sizes is None and p > limit:
+                    raise LatticeError(
+                        f"explore over every micro_batch_size up to {p} is more than {limit} "
+                        "configurations; list micro_batch_size in the space"
+                    )
+                ms = micro_batch_sizes if micro_batch_sizes is not None else range(1, p + 1)
+                ms = [m for m in ms if m <= p]
+            elif not even and not allow_uneven:
+                continue
+            elif mode == "none":
+                ms = [p]
+            elif mode == "auto":
+                ms = divisors(p) if even else []
+                if micro_batch_sizes is not None:
+                    ms = [m for m in ms if m in set(micro_batch_sizes)]
+            else:
+                ms = [mode] if (p % mode == 0 and even) or (allow_uneven and mode <= p) else []
+            add(b, n, ms)
+    return sorted(configs, key=_order)
+
+
+def _range_micro_sizes(mode: int | str, micro_batch_sizes: Sequence[int] | None) -> Sequence[int]:
+    if isinstance(mode, int):
+        return [mode]
+    if micro_batch_sizes is None:
+        raise LatticeError(
+            f"a batch_size range needs micro_batch_size listed in the space in mode '{mode}'"
+        )
+    return micro_batch_sizes
+
+
+def _order(c: BatchConfig) -> tuple[int, int, int]:
+    return (c.num_devices, c.batch_size, c.micro_batch_size)

@@ -1,0 +1,596 @@
+"""The model zoo a trial measures: three small built-ins and the user's own models.
+
+A model is a `ModelSpec`: the module, a function that makes a synthetic batch of n
+samples directly on the device, and a loss that is the MEAN over the samples of the
+batch. The trial scales each micro-batch loss by (micro-batch samples / P), so the
+accumulated gradient equals the full-batch gradient exactly, unless the model mixes the
+samples of a batch (BatchNorm, in-batch negatives): `ModelSpec.mixes_batch` says why.
+
+Built-ins (small by default so CPU tests are fast, scalable through options):
+
+    gpt     decoder-only transformer in the spirit of nanoGPT's model.py
+    mlp     stack of Linear + ReLU layers, classification
+    cnn_bn  small CNN with BatchNorm2d, classification (mixes the batch)
+
+User models are named `package.module:function`; see `experiments/user_model.py` for
+the contract and an example.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mbtune.errors import MbtuneError
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "GPT",
+    "MLP",
+    "MODEL_OPTIONS",
+    "ConvNetBN",
+    "ModelError",
+    "ModelSpec",
+    "batch_mixing_reason",
+    "build_model",
+    "check_options",
+    "slice_batch",
+]
+
+Batch = tuple[torch.Tensor, ...]
+MakeBatch = Callable[[int, torch.device], Batch]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+# the attribute a user module (or any of its submodules) sets to a sentence saying why
+# its loss is not a sum over samples, e.g. "the loss uses in-batch negatives"
+MIXES_BATCH_ATTR = "mbtune_mixes_batch"
+
+_USER_CONTRACT = (
+    "expected package.module:function where function(**options) returns "
+    "(module, make_batch, loss): module a torch.nn.Module, make_batch(n, device) -> "
+    "tensor or tuple of tensors with leading dimension n, loss(module, batch) -> "
+    "scalar mean loss over the samples"
+)
+_USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+class ModelError(MbtuneError):
+    """A model name, option or user model that cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Everything a trial needs to measure one model."""
+
+    module: nn.Module
+    """The model, on the CPU and in training mode; the trial moves and compiles it."""
+
+    make_batch: MakeBatch
+    """make_batch(n, device) -> tuple of tensors, dim 0 = sample, created on `device`
+    from torch's global RNG (the trial seeds it)."""
+
+    loss_fn: LossFn
+    """loss_fn(module, batch) -> scalar MEAN loss over the samples of the batch."""
+
+    tokens_per_sample: int | None
+    """seq_len for language models (for tokens/s), None otherwise."""
+
+    mixes_batch: str | None
+    """None if gradient accumulation is exact; else a sentence saying why it is not."""
+
+
+# -----------------------------------------------------------------------------
+# gpt: nanoGPT-style decoder-only transformer
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, *, n_head: int, d_model: int, dropout: float):
+        super().__init__()
+        # key, query, value projections for all heads, in one matmul
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head = n_head
+        self.d_model = d_model
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, d_model
+        q, k, v = self.c_attn(x).split(self.d_model, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim): heads become a batch dimension
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        return self.resid_dropout(self.c_proj(y))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, *, d_model: int, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, *, n_head: int, d_model: int, dropout: float):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(n_head=n_head, d_model=d_model, dropout=dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = GPTMLP(d_model=d_model, dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, n_layer blocks, final LayerNorm, tied lm_head."""
+
+    def __init__(
+        self,
+        *,
+        n_layer: int,
+        n_head: int,
+        d_model: int,
+        seq_len: int,
+        vocab_size: int,
+        dropout: float,
+    ):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, d_model)  # token embedding
+        self.wpe = nn.Embedding(seq_len, d_model)  # position embedding
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(n_head=n_head, d_model=d_model, dropout=dropout) for _ in range(n_layer)
+        )
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        # weight tying: the output projection is the token embedding
+        self.lm_head.weight = self.wte.weight
+
+        # nanoGPT's init: N(0, 0.02), residual projections scaled down by the depth
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, d_model)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size) logits
+
+
+def _gpt_batch(n: int, device: torch.device, *, seq_len: int, vocab_size: int) -> Batch:
+    # random tokens: throughput does not depend on what the tokens say
+    idx = torch.randint(vocab_size, (n, seq_len), dtype=torch.long, device=device)
+    targets = torch.randint(vocab_size, (n, seq_len), dtype=torch.long, device=device)
+    return idx, targets
+
+
+def _gpt_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    idx, targets = batch
+    logits = module(idx)  # (n, T, V)
+    # mean over all n*T tokens; every sample has T tokens, so it is also the mean over samples
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _build_gpt(
+    *, n_layer: int, n_head: int, d_model: int, seq_len: int, vocab_size: int, dropout: float
+) -> ModelSpec:
+    module = GPT(
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        dropout=dropout,
+    )
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(_gpt_batch, seq_len=seq_len, vocab_size=vocab_size),
+        loss_fn=_gpt_loss,
+        tokens_per_sample=seq_len,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+# -----------------------------------------------------------------------------
+# mlp and cnn_bn: classification on random inputs
+
+
+class MLP(nn.Module):
+    """in_features -> hidden, (n_layer - 1) x hidden -> hidden, each + ReLU; -> num_classes."""
+
+    def __init__(self, *, in_features: int, hidden: int, n_layer: int, num_classes: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(n_layer):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # (n, in_features) -> (n, num_classes) logits
+
+
+class ConvNetBN(nn.Module):
+    """Two conv + BatchNorm2d + ReLU stages, global average pool, linear classifier."""
+
+    def __init__(self, *, channels: int, width: int, num_classes: int):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=False),  # (n, width, H, W)
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),  # (n, 2w, H/2, W/2)
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),  # (n, 2w, 1, 1)
+            nn.Flatten(),  # (n, 2w)
+        )
+        self.classifier = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))  # (n, num_classes) logits
+
+
+def _classification_batch(
+    n: int, device: torch.device, *, shape: tuple[int, ...], num_classes: int
+) -> Batch:
+    x = torch.randn((n, *shape), device=device)
+    y = torch.randint(num_classes, (n,), dtype=torch.long, device=device)
+    return x, y
+
+
+def _classification_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(module(x), y)  # mean over the samples
+
+
+def _build_mlp(*, in_features: int, hidden: int, n_layer: int, num_classes: int) -> ModelSpec:
+    module = MLP(in_features=in_features, hidden=hidden, n_layer=n_layer, num_classes=num_classes)
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(
+            _classification_batch, shape=(in_features,), num_classes=num_classes
+        ),
+        loss_fn=_classification_loss,
+        tokens_per_sample=None,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+def _build_cnn_bn(*, image_size: int, channels: int, width: int, num_classes: int) -> ModelSpec:
+    module = ConvNetBN(channels=channels, width=width, num_classes=num_classes)
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(
+            _classification_batch,
+            shape=(channels, image_size, image_size),
+            num_classes=num_classes,
+        ),
+        loss_fn=_classification_loss,
+        tokens_per_sample=None,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+BUILTIN_MODELS: dict[str, tuple[Callable[..., ModelSpec], Mapping[str, object]]] = {
+    "gpt": (
+        _build_gpt,
+        MappingProxyType(
+            dict(n_layer=2, n_head=4, d_model=128, seq_len=64, vocab_size=512, dropout=0.0)
+        ),
+    ),
+    "mlp": (
+        _build_mlp,
+        MappingProxyType(dict(in_features=256, hidden=512, n_layer=3, num_classes=10)),
+    ),
+    "cnn_bn": (
+        _build_cnn_bn,
+        MappingProxyType(dict(image_size=32, channels=3, width=16, num_classes=10)),
+    ),
+}
+"""name -> (builder, default options); builder(**options) -> ModelSpec."""
+
+MODEL_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
+    {name: defaults for name, (_, defaults) in BUILTIN_MODELS.items()}
+)
+"""For each built-in model, its option names and default values."""
+
+
+# -----------------------------------------------------------------------------
+# public functions
+
+
+def build_model(name: str, options: Mapping[str, object], *, seed: int = 0) -> ModelSpec:
+    """Build the model `name` (a built-in or `package.module:function`) with `options`.
+
+    Weights are reproducible: torch's global RNG is seeded with `seed` first.
+    """
+    if not isinstance(name, str):
+        raise ModelError(f"model.name: must be a string, got {name!r}; {_valid_names()}")
+    options = dict(options)
+    if name in BUILTIN_MODELS:
+        builder, _ = BUILTIN_MODELS[name]
+        kwargs = check_options(name, options)
+        torch.manual_seed(seed)
+        return builder(**kwargs)
+    if ":" in name:
+        return _build_user_model(name, options, seed=seed)
+    hint = _did_you_mean(name, BUILTIN_MODELS)
+    raise ModelError(f"model.name: unknown model {name!r}; {_valid_names()}{hint}")
+
+
+def batch_mixing_reason(module: nn.Module) -> str | None:
+    """Why gradient accumulation is not exact for `module`, as a sentence; None if it is.
+
+    BatchNorm layers (any `_BatchNorm`: 1d/2d/3d, SyncBatchNorm, lazy variants) normalise
+    with statistics of the whole batch; a submodule may also declare
+    `mbtune_mixes_batch = "reason"` (in-batch negatives, a contrastive loss, ...).
+    """
+    batchnorms: list[str] = []
+    declared: list[str] = []
+    for path, sub in module.named_modules():
+        where = path or "model"
+        if isinstance(sub, _BatchNorm):
+            batchnorms.append(f"{where}: {type(sub).__name__}")
+        reason = getattr(sub, MIXES_BATCH_ATTR, None)
+        if reason is None:
+            continue
+        if not isinstance(reason, str) or not reason.strip():
+            raise ModelError(
+                f"model.{MIXES_BATCH_ATTR}: must be a non-empty sentence (str) saying why the "
+                f"model mixes the samples of a batch, got {reason!r} on {where}"
+            )
+        declared.append(f"{reason.strip().rstrip('.')} (declared by {where})")
+
+    reasons: list[str] = []
+    if batchnorms:
+        shown = ", ".join(batchnorms[:3])
+        if len(batchnorms) > 3:
+            shown += f", and {len(batchnorms) - 3} more"
+        reasons.append(
+            f"the model has BatchNorm layers ({shown}), whose statistics mix the samples of "
+            "a batch, so gradient accumulation is not exact"
+        )
+    reasons += declared
+    return "; ".join(reasons) if reasons else None
+
+
+def slice_batch(batch: tuple[torch.Tensor, ...], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+    """Samples [start, stop) of every tensor of `batch` (views, no copy)."""
+    n = batch[0].shape[0] if batch else 0
+    if not 0 <= start < stop <= n:
+        raise ValueError(
+            f"slice_batch: need 0 <= start < stop <= {n} (the batch has {n} samples), "
+            f"got start={start}, stop={stop}"
+        )
+    return tuple(t[start:stop] for t in batch)
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+def _valid_names() -> str:
+    return f"valid: {', '.join(BUILTIN_MODELS)}, or package.module:function"
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _one_line(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
+    """A built-in model's defaults overlaid with `options`, each checked (ModelError)."""
+    defaults = MODEL_OPTIONS[name]
+    checked = dict(defaults)
+    for key, value in options.items():
+        if key not in defaults:
+            raise ModelError(
+                f"model.{key}: unknown option for model {name!r}; valid: "
+                f"{', '.join(defaults)}{_did_you_mean(str(key), defaults)}"
+            )
+        default = defaults[key]
+        if isinstance(default, float):
+            # a probability; an int 0 is fine, a bool never is
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and 0.0 <= value < 1.0
+            )
+            if not ok:
+                raise ModelError(
+                    f"model.{key}: must be a float in [0, 1), got {value!r}; "
+                    f"the default is {default!r}"
+                )
+            checked[key] = float(value)
+        else:
+            # a size: bool is an int to Python, but `n_layer: true` is a mistake
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelError(
+                    f"model.{key}: must be a positive integer, got {value!r}; "
+                    f"the default is {default!r}"
+                )
+            checked[key] = value
+    if name == "gpt" and checked["d_model"] % checked["n_head"]:
+        d_model, n_head = checked["d_model"], checked["n_head"]
+        below = d_model - d_model % n_head
+        valid = ", ".join(str(v) for v in (below, below + n_head) if v > 0)
+        raise ModelError(
+            f"model.d_model: must be divisible by model.n_head (d_model={d_model}, "
+            f"n_head={n_head}); valid d_model near {d_model}: {valid}"
+        )
+    return checked
+
+
+def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> ModelSpec:
+    if not _USER_NAME.match(name):
+        raise ModelError(
+            f"model.name: {name!r} is not of the form package.module:function; {_valid_names()}"
+        )
+    module_name, function_name = name.split(":")
+
+    # `mbtune run` from the project directory must find the project's own modules
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
+    try:
+        py_module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelError(
+            f"model.name: cannot import {module_name!r} ({_one_line(exc)}); "
+            "expected package.module:function importable from the current directory"
+        ) from exc
+
+    if not hasattr(py_module, function_name):
+        public = [a for a in dir(py_module) if not a.startswith("_")]
+        raise ModelError(
+            f"model.name: module {module_name!r} has no attribute {function_name!r}"
+            f"{_did_you_mean(function_name, public)}; {_USER_CONTRACT}"
+        )
+    function = getattr(py_module, function_name)
+    if not callable(function):
+        raise ModelError(
+            f"model.name: {name!r} is a {type(function).__name__}, not a function; {_USER_CONTRACT}"
+        )
+    _check_user_options(name, function, options)
+
+    torch.manual_seed(seed)
+    try:
+        returned = function(**options)
+    except Exception as exc:
+        raise ModelError(f"model.name: {name!r} raised {_one_line(exc)}") from exc
+
+    module, make_batch, loss_fn = _check_user_return(name, returned)
+
+    # one small batch, now, so a broken make_batch fails here and not in every trial;
+    # on a forked RNG, so that validating does not shift the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        try:
+            _as_batch(make_batch(2, torch.device("cpu")), 2, name)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(
+                f"model.name: make_batch(2, cpu) from {name!r} raised {_one_line(exc)}"
+            ) from exc
+
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(_user_batch, make_batch, name),
+        loss_fn=loss_fn,
+        tokens_per_sample=None,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+def _check_user_options(name: str, function: Callable, options: dict[str, object]) -> None:
+    """Options that the function's signature cannot take, named as `model.<key>`."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to check (a C function): let the call tell
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [
+        p.name
+        for p in params.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for key in options:
+        if key not in accepted:
+            raise ModelError(
+                f"model.{key}: unknown option for model {name!r}; valid: "
+                f"{', '.join(accepted) or '(none)'}{_did_you_mean(str(key), accepted)}"
+            )
+
+
+def _check_user_return(name: str, returned: object) -> tuple[nn.Module, Callable, LossFn]:
+    def fail(what: str) -> ModelError:
+        return ModelError(f"model.name: {name!r} returned {what}; {_USER_CONTRACT}")
+
+    if not isinstance(returned, tuple) or len(returned) != 3:
+        size = f" of {len(returned)} items" if isinstance(returned, (tuple, list)) else ""
+        raise fail(f"a {type(returned).__name__}{size}, not a 3-tuple")
+    module, make_batch, loss_fn = returned
+    if not isinstance(module, nn.Module):
+        raise fail(f"a {type(module).__name__} as first item, not a torch.nn.Module")
+    if not callable(make_batch):
+        raise fail(f"a {type(make_batch).__name__} as make_batch, not a function")
+    if not callable(loss_fn):
+        raise fail(f"a {type(loss_fn).__name__} as loss, not a function")
+    return module, make_batch, loss_fn
+
+
+def _as_batch(value: object, n: int, name: str) -> Batch:
+    """The user's batch as a tuple of tensors, each with leading dimension n."""
+    tensors = (value,) if isinstance(value, torch.Tensor) else value
+    if (
+        not isinstance(tensors, (tuple, list))
+        or not tensors
+        or not all(isinstance(t, torch.Tensor) for t in tensors)
+    ):
+        raise ModelError(
+            f"model.name: make_batch({n}, device) from {name!r} returned a "
+            f"{type(value).__name__}; expected a tensor or a tuple of tensors with leading "
+            f"dimension {n}"
+        )
+    if any(t.dim() == 0 or t.shape[0] != n for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ModelError(
+            f"model.name: make_batch({n}, device) from {name!r} returned tensors of shapes "
+            f"{shapes}; every tensor must have leading dimension {n} (one row per sample)"
+        )
+    return tuple(tensors)
+
+
+def _user_batch(make_batch: Callable, name: str, n: int, device: torch.device) -> Batch:
+    return _as_batch(make_batch(n, device), n, name)

@@ -1,0 +1,273 @@
+"""The experiment config: every key parsed, every bad input a one-line ConfigError."""
+
+from pathlib import Path
+
+import pytest
+
+from mbtune.config import (
+    ConfigError,
+    IntRange,
+    apply_overrides,
+    load_experiment,
+    parse_experiment,
+    parse_memory,
+)
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make(**sections):
+    raw = {"name": "t", "model": {"name": "mlp"}, "train_input": {"batch_size": 32}}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return parse_experiment(raw)
+
+
+def test_every_key_is_read():
+    exp = make(
+        model={"name": "gpt", "n_layer": 3, "seq_len": 32},
+        train_input={
+            "batch_size": 64,
+            "micro_batch_size": 8,
+            "num_devices": 2,
+            "allow_uneven": False,
+            "pipeline_stages": 2,
+        },
+        search={
+            "space": {"num_devices": [2, 1, 2], "batch_size": {"min": 32, "max": 128}},
+            "sampler": "GP",
+            "objective": "samples_per_s_per_device",
+            "num_samples": 7,
+            "time_budget_s": 60,
+            "confidence_target": 95,
+            "seed": 3,
+        },
+        trial={
+            "backend": "torch",
+            "noise": 0.03,
+            "device": "cpu",
+            "parallel": "simulate",
+            "compile": False,
+            "warmup_steps": 0,
+            "measure_steps": 9,
+            "device_memory": "8GiB",
+            "timeout_s": 30,
+        },
+        ray={
+            "address": "auto",
+            "dashboard": True,
+            "cpus_per_trial": 0.5,
+            "gpus_per_trial": 1,
+            "max_concurrent_trials": 2,
+        },
+        output_dir="out",
+    )
+    assert exp.model.name == "gpt" and exp.model.options == {"n_layer": 3, "seq_len": 32}
+    t = exp.train_input
+    assert (t.batch_size, t.micro_batch_size, t.num_devices, t.pipeline_stages) == (64, 8, 2, 2)
+    assert t.config == BatchConfig(64, 2, 8)
+    s = exp.search
+    assert s.space.num_devices == (1, 2) and s.space.batch_size == IntRange(32, 128)
+    assert (s.sampler, s.objective, s.num_samples, s.time_budget_s) == (
+        "gp", "samples_per_s_per_device", 7, 60
+    )  # fmt: skip
+    assert (s.confidence_target, s.seed) == (95, 3)
+    tr = exp.trial
+    assert (tr.noise, tr.device, tr.compile, tr.warmup_steps, tr.measure_steps) == (
+        0.03, "cpu", False, 0, 9
+    )  # fmt: skip
+    assert tr.device_memory == 8 * 2**30 and tr.timeout_s == 30
+    r = exp.ray
+    assert (r.address, r.dashboard, r.cpus_per_trial, r.gpus_per_trial) == ("auto", True, 0.5, 1)
+    assert r.max_concurrent_trials == 2
+    assert exp.output_dir == Path("out")
+    # B = n x m x g in 32..128 with m = 8 on one or two devices
+    assert [(c.batch_size, c.num_devices) for c in exp.configs()] == [
+        (32, 1), (40, 1), (48, 1), (56, 1), (64, 1), (72, 1), (80, 1), (88, 1), (96, 1),
+        (104, 1), (112, 1), (120, 1), (128, 1), (32, 2), (48, 2), (64, 2), (80, 2), (96, 2),
+        (112, 2), (128, 2),
+    ]  # fmt: skip
+
+
+def test_defaults():
+    exp = make()
+    assert exp.train_input.micro_batch_size == "auto" and exp.train_input.num_devices == 1
+    assert exp.search.sampler == "tpe" and exp.search.confidence_target == 90
+    assert exp.search.space.source == "default"
+    assert exp.trial.backend == "torch" and exp.trial.compile is True
+    assert exp.trial.device_memory is None and exp.ray.address is None
+    assert [c.micro_batch_size for c in exp.configs()] == [1, 2, 4, 8, 16, 32]
+
+
+def test_num_csx_is_an_alias_of_num_devices():
+    exp = make(train_input={"batch_size": 64, "num_csx": 4})
+    assert exp.train_input.num_devices == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 1_500_000_000), (4096, 4096),
+     ("100", 100), ("2kib", 2048)],
+)  # fmt: skip
+def test_parse_memory(value, expected):
+    assert parse_memory(value) == expected
+
+
+@pytest.mark.parametrize("value", ["8 parsecs", "-1GB", 0, True, [1], "GiB", 1.5])
+def test_parse_memory_rejects(value):
+    with pytest.raises(ConfigError, match=r"^trial\.device_memory: .*(memory size|positive)"):
+        parse_memory(value)
+
+
+def test_modes_are_read_case_insensitively():
+    assert make(train_input={"micro_batch_size": "Explore"}).train_input.mode == "explore"
+    assert make(train_input={"micro_batch_size": "none"}).train_input.config == BatchConfig(
+        32, 1, 32
+    )
+
+
+def test_named_space_and_path_space(tmp_path):
+    assert make(search={"space": "powers_of_two"}).search.space.micro_batch_size[:3] == (1, 2, 4)
+    space = tmp_path / "s.yaml"
+    space.write_text("num_devices: [1, 2]\n")
+    exp_file = tmp_path / "e.yaml"
+    exp_file.write_text("model: mlp\ntrain_input: {batch_size: 8}\nsearch: {space: s.yaml}\n")
+    exp = load_experiment(exp_file)
+    assert exp.name == "e" and exp.search.space.num_devices == (1, 2)
+
+
+def test_replay_table_is_relative_to_the_experiment(tmp_path):
+    f = tmp_path / "e.yaml"
+    f.write_text("model: mlp\ntrain_input: {batch_size: 8}\ntrial: {backend: replay, table: t.csv}")
+    assert load_experiment(f).trial.table == tmp_path / "t.csv"
+
+
+def test_overrides():
+    raw = {"model": {"name": "mlp"}, "train_input": {"batch_size": 32}}
+    out = apply_overrides(raw, ["train_input.batch_size=128", "search.space.num_devices=[1, 2]"])
+    assert out["train_input"]["batch_size"] == 128
+    assert out["search"]["space"]["num_devices"] == [1, 2]
+    assert raw["train_input"]["batch_size"] == 32  # the input is left alone
+    with pytest.raises(ConfigError, match=r"^--set: expected KEY\.PATH=VALUE"):
+        apply_overrides(raw, ["train_input.batch_size"])
+
+
+def test_resolved_experiment_round_trips():
+    exp = parse_experiment(
+        {"name": "x", "model": {"name": "gpt", "n_layer": 1}, "train_input": {"batch_size": 8},
+         "search": {"space": {"micro_batch_size": [1, 2]}}}
+    )  # fmt: skip
+    again = parse_experiment(exp.to_dict())
+    assert again.configs() == exp.configs()
+    assert again.model == exp.model and again.train_input == exp.train_input
+
+
+def test_shipped_experiments_are_valid():
+    for path in sorted((ROOT / "experiments").glob("*.yaml")):
+        exp = load_experiment(path)
+        assert exp.configs(), path
+
+
+# -- bad input: one ConfigError per rule, naming the field -----------------------
+
+BAD = [
+    ({"train_input": {"batch_size": 0}}, r"^train_input\.batch_size: 0 is out of range; "
+     r"expected a whole number from 1 to"),
+    ({"train_input": {"batch_size": -4}}, r"^train_input\.batch_size: -4 is out of range"),
+    ({"train_input": {"batch_size": "64"}}, r"^train_input\.batch_size: expected a whole "
+     r"number .*, got '64'"),
+    ({"train_input": {"batch_size": 2, "num_devices": 4}}, r"^train_input\.batch_size: "
+     r"batch_size 2 is smaller than num_devices 4"),
+    ({"train_input": {"batch_size": 64, "micro_batch_size": 5, "num_devices": 2}},
+     r"^train_input\.micro_batch_size: micro_batch_size 5 does not divide the per-device "
+     r"batch 32 .*60 \(below\) or 70 \(above\); valid micro_batch_size for batch_size 64: "
+     r"1, 2, 4, 8, 16, 32$"),
+    ({"train_input": {"batch_size": 65, "num_devices": 2}}, r"^train_input\.batch_size: "
+     r"batch_size 65 is not divisible by num_devices 2; nearest valid batch_size: 64 \(below\)"
+     r" or 66 \(above\)"),
+    ({"train_input": {"batch_size": 64, "num_csx": 2, "num_devices": 2}},
+     r"^train_input\.num_csx: give num_devices or its Cerebras alias num_csx, not both"),
+    ({"train_input": {"batch_size": 64, "micro_batch_size": "automatic"}},
+     r"^train_input\.micro_batch_size: expected a whole number .*or 'auto', 'explore' or "
+     r"'none', got 'automatic'"),
+    ({"train_input": {"batch_size": 8, "micro_batch_size": 16}},
+     r"^train_input\.micro_batch_size: micro_batch_size 16 exceeds the per-device batch 8"),
+    ({"train_input": {"batch_sise": 8}}, r"^train_input\.batch_sise: unknown key; valid keys: "
+     r".*\(did you mean 'batch_size'\?\)"),
+    ({"trainput": {}}, r"^trainput: unknown key; .*\(did you mean 'train_input'\?\)"),
+    ({"search": {"sampler": "tpee"}}, r"^search\.sampler: 'tpee' is not one of: tpe, gp, "
+     r"random, grid, halving, doubling \(did you mean 'tpe'\?\)"),
+    ({"search": {"objective": "speed"}}, r"^search\.objective: 'speed' is not one of"),
+    ({"search": {"confidence_target": 100}}, r"^search\.confidence_target: 100 is out of "
+     r"range; expected a whole number from 1 to 99"),
+    ({"search": {"space": "nope"}}, r"^search\.space: unknown space 'nope'; valid: "
+     r"data_parallel, default, powers_of_two"),
+    ({"search": {"space": {"micro_batch_size": []}}}, r"^search\.space\.micro_batch_size: the "
+     r"list is empty"),
+    ({"search": {"space": {"micro_batch_size": {"min": 8, "max": 2}}}},
+     r"^search\.space\.micro_batch_size: min 8 is greater than max 2"),
+    ({"search": {"space": {"micro_batch_size": [64, 128]}}}, r"^search\.space: no valid "
+     r"configuration: micro_batch_size 'auto', batch_size 32, num_devices 1, space "
+     r"micro_batch_size \[64, 128\]"),
+    ({"search": {"space": {"batch_size": {"min": 1, "max": 9}}}}, r"^search\.space: a "
+     r"batch_size range needs micro_batch_size listed in the space in mode 'auto'"),
+    ({"search": {"space": {"num_devices": [64]}}}, r"^search\.space: no valid configuration"),
+    ({"trial": {"backend": "jax"}}, r"^trial\.backend: 'jax' is not one of: torch, replay"),
+    ({"trial": {"backend": "replay"}}, r"^trial\.table: the replay backend needs trial\.table"),
+    ({"trial": {"device": "tpu"}}, r"^trial\.device: 'tpu' is not one of: auto, cpu, cuda"),
+    ({"trial": {"compile": "yes"}}, r"^trial\.compile: expected true or false, got 'yes'"),
+    ({"trial": {"measure_steps": 0}}, r"^trial\.measure_steps: 0 is out of range"),
+    ({"trial": {"noise": float("nan")}}, r"^trial\.noise: expected a number from 0.0 to 1.0"),
+    ({"trial": {"device_memory": "lots"}}, r"^trial\.device_memory: 'lots' is not a memory "
+     r"size"),
+    ({"ray": {"max_concurrent_trials": 0}}, r"^ray\.max_concurrent_trials: 0 is out of range"),
+    ({"model": {"name": "gtp"}}, r"^model\.name: unknown model 'gtp'; valid: gpt, mlp, cnn_bn,"
+     r" or package\.module:function \(did you mean 'gpt'\?\)"),
+    ({"model": {"name": "mlp", "hiden": 3}}, r"^model\.hiden: unknown option for model 'mlp'"
+     r"; valid: .*\(did you mean 'hidden'\?\)"),
+    ({"model": {"name": "mlp", "hidden": 0}}, r"^model\.hidden: must be a positive integer"),
+    ({"model": {"name": "gpt", "d_model": 130}}, r"^model\.d_model: must be divisible by "
+     r"model\.n_head"),
+    ({"model": 3}, r"^model: this section must be a mapping of keys, got int"),
+    ({"name": "a b"}, r"^name: 'a b' is not a valid name"),
+    ({"train_input": {"batch_size": 64, "micro_batch_size": "explore",
+                      "pipeline_stages": 2}}, r"^train_input\.pipeline_stages: pipeline_stages "
+     r"2 cannot explore uneven micro-batches"),
+    ({"train_input": {"batch_size": 2**40}}, r"^train_input\.batch_size: .* out of range"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("sections", "message"), BAD)
+def test_bad_input_is_one_line_naming_the_field(sections, message):
+    with pytest.raises(MbtuneError, match=message) as info:
+        make(**sections)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_sections_are_named():
+    with pytest.raises(ConfigError, match=r"^train_input: required key is missing"):
+        parse_experiment({"name": "x", "model": "mlp"})
+    with pytest.raises(ConfigError, match=r"^the experiment must be a mapping|^: "):
+        parse_experiment([1, 2])
+    with pytest.raises(ConfigError, match=r"^name: required key is missing"):
+        parse_experiment({"model": "mlp", "train_input": {"batch_size": 1}})
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"experiment file not found: .*nope\.yaml"):
+        load_experiment(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML at line \d+, column \d+"):
+        load_experiment(bad)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ConfigError, match=r"not a text file"):
+        load_experiment(binary)
+    with pytest.raises(ConfigError, match=r"is a directory"):
+        load_experiment(tmp_path)

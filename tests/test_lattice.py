@@ -1,0 +1,234 @@
+"""The lattice math: exact values on hand-made cases, properties on random ones."""
+
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mbtune import lattice
+from mbtune.lattice import BatchConfig, LatticeError
+
+
+def test_lattice_imports_neither_torch_nor_ray():
+    import subprocess
+
+    code = (
+        "import sys, mbtune.lattice, mbtune.config; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- splits -------------------------------------------------------------------
+
+
+def test_even_split_puts_larger_parts_first():
+    assert lattice.even_split(10, 3) == [4, 3, 3]
+    assert lattice.even_split(8, 4) == [2, 2, 2, 2]
+    assert lattice.even_split(7, 3) == [3, 2, 2]
+
+
+def test_even_split_refuses_empty_parts():
+    with pytest.raises(LatticeError, match="cannot split 2 samples into 3 non-empty parts"):
+        lattice.even_split(2, 3)
+
+
+def test_per_device_and_accumulation():
+    assert lattice.per_device_batch(64, 2) == 32
+    assert lattice.per_device_batch(65, 2) == 33
+    assert lattice.grad_accum_steps(32, 8) == 4
+    assert lattice.grad_accum_steps(32, 5) == 7
+
+
+def test_canonical_micro_batch_is_the_largest_run():
+    # P = 8, m = 5: g = 2, two micro-batches of 4; so m = 4..7 are one measurement.
+    assert [lattice.canonical_micro_batch_size(8, m) for m in range(1, 9)] == [
+        1, 2, 3, 4, 4, 4, 4, 8
+    ]  # fmt: skip
+
+
+def test_divisors():
+    assert lattice.divisors(1) == [1]
+    assert lattice.divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+
+
+# -- strict validity ------------------------------------------------------------
+
+
+def test_valid_micro_batch_sizes():
+    assert lattice.valid_micro_batch_sizes(64, 2) == [1, 2, 4, 8, 16, 32]
+    assert lattice.valid_micro_batch_sizes(65, 2) == []
+    assert lattice.valid_micro_batch_sizes(1, 2) == []
+
+
+def test_nearest_valid_batch_sizes():
+    assert lattice.nearest_valid_batch_sizes(64, 2, 5) == (60, 70)
+    assert lattice.nearest_valid_batch_sizes(60, 2, 5) == (60, 60)
+    assert lattice.nearest_valid_batch_sizes(3, 2, 4) == (None, 8)
+
+
+def test_check_strict_names_rule_numbers_and_valid_values():
+    with pytest.raises(
+        LatticeError,
+        match=r"micro_batch_size 5 does not divide the per-device batch 32 \(batch_size 64 / "
+        r"num_devices 2\); nearest valid batch_size for micro_batch_size 5: 60 \(below\) or "
+        r"70 \(above\); valid micro_batch_size for batch_size 64: 1, 2, 4, 8, 16, 32",
+    ):
+        lattice.check_strict(64, 2, 5)
+    with pytest.raises(LatticeError, match=r"batch_size 65 is not divisible by num_devices 2; "
+                       r"nearest valid batch_size: 64 \(below\) or 66 \(above\)"):  # fmt: skip
+        lattice.check_strict(65, 2, 1)
+    with pytest.raises(LatticeError, match="batch_size 2 is smaller than num_devices 4"):
+        lattice.check_strict(2, 4, 1)
+    lattice.check_strict(64, 2, 8)
+
+
+# -- pipelines --------------------------------------------------------------------
+
+
+def test_megatron_relations():
+    assert lattice.megatron_global_batch(4, 2, 8) == 64
+    assert lattice.num_microbatches(64, 4, 2) == 8
+    assert lattice.bubble_fraction(4, 8) == pytest.approx(3 / 8)
+    assert lattice.bubble_fraction(1, 8) == 0.0
+    with pytest.raises(LatticeError, match=r"num_devices x micro_batch_size = 4 x 3 = 12"):
+        lattice.num_microbatches(64, 4, 3)
+
+
+# -- configurations ---------------------------------------------------------------
+
+
+def test_batch_config_properties():
+    c = BatchConfig(10, 3, 2)
+    assert c.device_batch_sizes == [4, 3, 3]
+    assert c.per_device_batch == 4
+    assert c.grad_accum_steps == 2
+    assert c.micro_batch_sizes == [2, 2]
+    assert not c.is_strict
+    assert BatchConfig(64, 2, 5).canonical() == BatchConfig(64, 2, 5)  # P 32, g 7: 5+5+5+5+4+4+4
+    assert BatchConfig(16, 2, 5).canonical() == BatchConfig(16, 2, 4)
+    with pytest.raises(LatticeError, match="smaller than num_devices"):
+        BatchConfig(2, 4, 1)
+
+
+def _enum(mode, b=(32,), n=(1,), ms=None, **kw):
+    return [
+        (c.batch_size, c.num_devices, c.micro_batch_size)
+        for c in lattice.enumerate_configs(
+            mode=mode, batch_sizes=b, num_devices=n, micro_batch_sizes=ms, **kw
+        )
+    ]
+
+
+def test_enumerate_int_mode_keeps_only_strict_configs():
+    assert _enum(4, b=(32,), n=(1, 2, 3, 16)) == [(32, 1, 4), (32, 2, 4)]
+    assert _enum(4, b=(30,), n=(2,), allow_uneven=True) == [(30, 2, 4)]
+
+
+def test_enumerate_none_mode_is_one_micro_batch():
+    assert _enum("none", b=(32,), n=(1, 2, 3)) == [(32, 1, 32), (32, 2, 16)]
+    assert _enum("none", b=(32,), n=(3,), allow_uneven=True) == [(32, 3, 11)]
+
+
+def test_enumerate_auto_mode_is_the_divisors_of_p():
+    assert _enum("auto", b=(12,), n=(1, 2)) == [
+        (12, 1, 1), (12, 1, 2), (12, 1, 3), (12, 1, 4), (12, 1, 6), (12, 1, 12),
+        (12, 2, 1), (12, 2, 2), (12, 2, 3), (12, 2, 6),
+    ]  # fmt: skip
+    assert _enum("auto", b=(12,), n=(1,), ms=(2, 4, 5, 8)) == [(12, 1, 2), (12, 1, 4)]
+
+
+def test_enumerate_explore_mode_tries_every_size_up_to_p():
+    assert _enum("explore", b=(10,), n=(3,)) == [(10, 3, 1), (10, 3, 2), (10, 3, 3), (10, 3, 4)]
+    assert _enum("explore", b=(8,), n=(1,), ms=(3, 5, 16)) == [(8, 1, 3), (8, 1, 5)]
+
+
+def test_enumerate_batch_range_is_n_times_m_times_g():
+    assert _enum(8, b=(16, 40), n=(2,), batch_range=True) == [(16, 2, 8), (32, 2, 8)]
+    assert _enum("none", b=(1, 100), n=(2,), ms=(4, 8), batch_range=True) == [
+        (8, 2, 4), (16, 2, 8)
+    ]  # fmt: skip
+    with pytest.raises(LatticeError, match="needs micro_batch_size listed in the space"):
+        _enum("auto", b=(1, 100), n=(1,), batch_range=True)
+
+
+def test_enumerate_refuses_a_space_too_large_to_search():
+    with pytest.raises(LatticeError, match="more than 10 configurations"):
+        _enum("auto", b=(1, 1000), n=(1,), ms=range(1, 50), batch_range=True, limit=10)
+    with pytest.raises(LatticeError, match="list micro_batch_size in the space"):
+        _enum("explore", b=(10**6,), n=(1,))
+
+
+# -- properties -------------------------------------------------------------------
+
+sizes = st.integers(min_value=1, max_value=512)
+modes = st.one_of(st.integers(min_value=1, max_value=64), st.sampled_from(lattice.MODES))
+
+
+@given(total=sizes, parts=sizes)
+def test_even_split_sums_and_differs_by_at_most_one(total, parts):
+    if total < parts:
+        return
+    split = lattice.even_split(total, parts)
+    assert sum(split) == total and len(split) == parts
+    assert max(split) - min(split) <= 1
+
+
+@given(b=sizes, n=st.integers(1, 16), m=st.integers(1, 64))
+def test_nearest_valid_batch_sizes_are_valid_and_nothing_lies_between(b, n, m):
+    below, above = lattice.nearest_valid_batch_sizes(b, n, m)
+    assert lattice.is_strictly_valid(above, n, m) and above >= b
+    if below is not None:
+        assert lattice.is_strictly_valid(below, n, m) and below <= b
+    lo = below if below is not None else 0
+    assert not any(lattice.is_strictly_valid(x, n, m) for x in range(lo + 1, above) if x != b)
+
+
+@given(b=sizes, n=st.integers(1, 16))
+def test_valid_micro_batch_sizes_are_exactly_the_strict_ones(b, n):
+    valid = lattice.valid_micro_batch_sizes(b, n)
+    assert valid == [m for m in range(1, b + 1) if lattice.is_strictly_valid(b, n, m)]
+
+
+@given(
+    mode=modes,
+    b=st.lists(sizes, min_size=1, max_size=3),
+    n=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    ms=st.one_of(st.none(), st.lists(st.integers(1, 64), min_size=1, max_size=6)),
+    uneven=st.booleans(),
+)
+def test_every_enumerated_config_is_strict_or_splits_within_one_sample(mode, b, n, ms, uneven):
+    configs = lattice.enumerate_configs(
+        mode=mode, batch_sizes=b, num_devices=n, micro_batch_sizes=ms, allow_uneven=uneven
+    )
+    assert len(configs) == len(set(configs))
+    for c in configs:
+        devices, micro = c.device_batch_sizes, c.micro_batch_sizes
+        assert sum(devices) == c.batch_size and max(devices) - min(devices) <= 1
+        assert sum(micro) == c.per_device_batch and max(micro) - min(micro) <= 1
+        assert max(micro) <= c.micro_batch_size
+        if mode == "auto" or not (uneven or mode == "explore"):
+            assert c.is_strict, c
+        if isinstance(mode, int):
+            assert c.micro_batch_size == mode
+
+
+@given(
+    mode=modes,
+    lo=st.integers(1, 200),
+    width=st.integers(0, 200),
+    n=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    ms=st.lists(st.integers(1, 32), min_size=1, max_size=5),
+)
+def test_a_batch_range_gives_strict_configs_inside_it(mode, lo, width, n, ms):
+    configs = lattice.enumerate_configs(
+        mode=mode, batch_sizes=(lo, lo + width), num_devices=n, micro_batch_sizes=ms,
+        batch_range=True,
+    )  # fmt: skip
+    for c in configs:
+        assert lo <= c.batch_size <= lo + width
+        assert c.is_strict
+        if mode == "none":
+            assert c.grad_accum_steps == 1

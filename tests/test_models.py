@@ -1,0 +1,602 @@
+"""Tests for mbtune.models: the built-ins, user models, batch mixing, exact accumulation."""
+
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mbtune.models import (
+    BUILTIN_MODELS,
+    MODEL_OPTIONS,
+    ModelError,
+    ModelSpec,
+    batch_mixing_reason,
+    build_model,
+    slice_batch,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Write a module into tmp_path and return its importable name."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undo build_model's cwd insertion
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def write(source: str) -> str:
+        name = f"user_model_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        written.append(name)
+        return name
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+# --- built-ins --------------------------------------------------------------------------
+
+
+def test_model_options_lists_every_builtin_with_its_defaults():
+    assert dict(MODEL_OPTIONS) == {name: defaults for name, (_, defaults) in BUILTIN_MODELS.items()}
+    assert dict(MODEL_OPTIONS["gpt"]) == dict(
+        n_layer=2, n_head=4, d_model=128, seq_len=64, vocab_size=512, dropout=0.0
+    )
+    assert dict(MODEL_OPTIONS["mlp"]) == dict(
+        in_features=256, hidden=512, n_layer=3, num_classes=10
+    )
+    assert dict(MODEL_OPTIONS["cnn_bn"]) == dict(
+        image_size=32, channels=3, width=16, num_classes=10
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "shapes", "dtypes", "tokens_per_sample"),
+    [
+        ("gpt", [(3, 64), (3, 64)], [torch.int64, torch.int64], 64),
+        ("mlp", [(3, 256), (3,)], [torch.float32, torch.int64], None),
+        ("cnn_bn", [(3, 3, 32, 32), (3,)], [torch.float32, torch.int64], None),
+    ],
+)
+def test_builtin_builds_batch_and_finite_scalar_loss(name, shapes, dtypes, tokens_per_sample):
+    spec = build_model(name, {})
+    assert isinstance(spec, ModelSpec)
+    assert spec.module.training
+    batch = spec.make_batch(3, CPU)
+    assert isinstance(batch, tuple)
+    assert [tuple(t.shape) for t in batch] == shapes
+    assert [t.dtype for t in batch] == dtypes
+    assert all(t.device == CPU for t in batch)
+    loss = spec.loss_fn(spec.module, batch)
+    assert loss.shape == ()
+    assert torch.isfinite(loss)
+    assert spec.tokens_per_sample == tokens_per_sample
+
+
+def test_gpt_targets_and_tokens_lie_in_the_vocab():
+    spec = build_model("gpt", {"vocab_size": 7, "seq_len": 5})
+    idx, targets = spec.make_batch(50, CPU)
+    assert idx.min() >= 0 and idx.max() < 7
+    assert targets.min() >= 0 and targets.max() < 7
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "check"),
+    [
+        ("gpt", {"n_layer": 3}, lambda s: len(s.module.blocks) == 3),
+        ("gpt", {"n_head": 8}, lambda s: s.module.blocks[0].attn.n_head == 8),
+        ("gpt", {"d_model": 64}, lambda s: s.module.wte.weight.shape == (512, 64)),
+        ("gpt", {"vocab_size": 100}, lambda s: s.module(s.make_batch(2, CPU)[0]).shape[-1] == 100),
+        (
+            "gpt",
+            {"seq_len": 16},
+            lambda s: s.make_batch(2, CPU)[0].shape == (2, 16) and s.tokens_per_sample == 16,
+        ),
+        ("gpt", {"dropout": 0.25}, lambda s: s.module.blocks[0].attn.dropout == 0.25),
+        ("mlp", {"in_features": 5}, lambda s: s.make_batch(2, CPU)[0].shape == (2, 5)),
+        ("mlp", {"hidden": 7}, lambda s: s.module.net[0].out_features == 7),
+        (
+            "mlp",
+            {"n_layer": 1},
+            lambda s: sum(isinstance(m, nn.Linear) for m in s.module.modules()) == 2,
+        ),
+        ("mlp", {"num_classes": 4}, lambda s: s.module(s.make_batch(2, CPU)[0]).shape == (2, 4)),
+        ("cnn_bn", {"image_size": 8}, lambda s: s.make_batch(2, CPU)[0].shape == (2, 3, 8, 8)),
+        ("cnn_bn", {"channels": 1}, lambda s: s.make_batch(2, CPU)[0].shape == (2, 1, 32, 32)),
+        ("cnn_bn", {"width": 4}, lambda s: s.module.features[0].out_channels == 4),
+        (
+            "cnn_bn",
+            {"num_classes": 3},
+            lambda s: s.module(s.make_batch(2, CPU)[0]).shape == (2, 3),
+        ),
+    ],
+)
+def test_every_builtin_option_is_honoured(name, options, check):
+    assert check(build_model(name, options))
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "cnn_bn"])
+def test_same_seed_gives_identical_weights(name):
+    a = build_model(name, {}, seed=3).module.state_dict()
+    b = build_model(name, {}, seed=3).module.state_dict()
+    c = build_model(name, {}, seed=4).module.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert any(not torch.equal(a[key], c[key]) for key in a if a[key].is_floating_point())
+
+
+def test_gpt_lm_head_is_tied_to_token_embedding():
+    module = build_model("gpt", {}).module
+    assert module.lm_head.weight is module.wte.weight
+    # counted once: the tied weight is one parameter
+    names = [name for name, _ in module.named_parameters()]
+    assert "lm_head.weight" not in names and "wte.weight" in names
+
+
+def test_gpt_is_causal():
+    # changing a later token must not change the logits at earlier positions
+    spec = build_model("gpt", {"seq_len": 8})
+    idx, _ = spec.make_batch(1, CPU)
+    changed = idx.clone()
+    changed[0, 5] = (idx[0, 5] + 1) % 512
+    with torch.no_grad():
+        a, b = spec.module(idx), spec.module(changed)
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert not torch.allclose(a[:, 5], b[:, 5])
+
+
+# --- batch mixing -----------------------------------------------------------------------
+
+
+def test_cnn_bn_mixes_batch_with_a_sentence_naming_batchnorm():
+    spec = build_model("cnn_bn", {})
+    assert spec.mixes_batch == (
+        "the model has BatchNorm layers (features.1: BatchNorm2d, features.4: BatchNorm2d), "
+        "whose statistics mix the samples of a batch, so gradient accumulation is not exact"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_gpt_and_mlp_do_not_mix_batch(name):
+    assert build_model(name, {}).mixes_batch is None
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.BatchNorm1d(4),
+        nn.BatchNorm3d(4),
+        nn.SyncBatchNorm(4),
+        nn.LazyBatchNorm1d(),
+    ],
+)
+def test_every_batchnorm_kind_is_detected(layer):
+    reason = batch_mixing_reason(nn.Sequential(nn.Linear(4, 4), layer))
+    assert reason is not None
+    assert f"1: {type(layer).__name__}" in reason
+
+
+def test_batchnorm_as_the_root_module_is_named_model():
+    assert "(model: BatchNorm1d)" in batch_mixing_reason(nn.BatchNorm1d(3))
+
+
+def test_many_batchnorms_are_summarised():
+    module = nn.Sequential(*[nn.BatchNorm1d(2) for _ in range(5)])
+    assert "(0: BatchNorm1d, 1: BatchNorm1d, 2: BatchNorm1d, and 2 more)" in batch_mixing_reason(
+        module
+    )
+
+
+def test_layer_and_group_norm_do_not_mix_batch():
+    module = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GroupNorm(2, 4))
+    assert batch_mixing_reason(module) is None
+
+
+def test_declared_mixing_on_a_submodule_is_detected():
+    inner = nn.Linear(3, 3)
+    inner.mbtune_mixes_batch = "the loss uses in-batch negatives."
+    module = nn.Sequential(nn.Linear(3, 3), inner)
+    assert batch_mixing_reason(module) == "the loss uses in-batch negatives (declared by 1)"
+
+
+def test_declared_mixing_must_be_a_sentence():
+    module = nn.Linear(3, 3)
+    module.mbtune_mixes_batch = True
+    with pytest.raises(ModelError, match=r"^model\.mbtune_mixes_batch: must be a non-empty"):
+        batch_mixing_reason(module)
+
+
+def test_user_module_declaring_mixing_is_detected(user_module):
+    name = user_module(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        def build():
+            module = nn.Linear(4, 1)
+            module.mbtune_mixes_batch = "the loss compares every pair of samples in the batch"
+            return module, lambda n, d: torch.randn(n, 4, device=d), lambda m, b: m(b[0]).mean()
+        """
+    )
+    spec = build_model(f"{name}:build", {})
+    assert spec.mixes_batch == (
+        "the loss compares every pair of samples in the batch (declared by model)"
+    )
+
+
+# --- exact gradient accumulation ----------------------------------------------------------
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _full_and_accumulated_grads(spec: ModelSpec, batch, sizes):
+    """Gradients of the full-batch loss, and of sum(loss(micro) * len(micro) / P)."""
+    module, P = spec.module, batch[0].shape[0]
+    module.zero_grad()
+    spec.loss_fn(module, batch).backward()
+    full = _grads(module)
+
+    module.zero_grad()
+    start = 0
+    for size in sizes:
+        micro = slice_batch(batch, start, start + size)
+        (spec.loss_fn(module, micro) * (size / P)).backward()
+        start += size
+    assert start == P
+    return full, _grads(module)
+
+
+def _float64(spec: ModelSpec, P: int):
+    spec.module.double()
+    batch = spec.make_batch(P, CPU)
+    return tuple(t.double() if t.is_floating_point() else t for t in batch)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("sizes", [(4, 4), (3, 2, 2)], ids=["8=4+4", "7=3+2+2"])
+def test_accumulated_gradient_equals_full_batch_gradient(name, sizes):
+    spec = build_model(name, {"n_layer": 2, "hidden": 32} if name == "mlp" else {})
+    batch = _float64(spec, sum(sizes))
+    full, accumulated = _full_and_accumulated_grads(spec, batch, sizes)
+    assert full.keys() == accumulated.keys()
+    for key in full:
+        torch.testing.assert_close(accumulated[key], full[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (3, 2, 2)], ids=["8=4+4", "7=3+2+2"])
+def test_cnn_bn_accumulated_gradient_differs_which_is_why_it_is_detected(sizes):
+    spec = build_model("cnn_bn", {"image_size": 8, "width": 4})
+    batch = _float64(spec, sum(sizes))
+    full, accumulated = _full_and_accumulated_grads(spec, batch, sizes)
+    worst = max((accumulated[k] - full[k]).abs().max().item() for k in full)
+    assert worst > 1e-3
+
+
+# --- slice_batch ----------------------------------------------------------------------
+
+
+def test_slice_batch_takes_the_same_rows_of_every_tensor():
+    batch = (torch.arange(10).view(5, 2), torch.arange(5))
+    x, y = slice_batch(batch, 1, 4)
+    assert x.tolist() == [[2, 3], [4, 5], [6, 7]]
+    assert y.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(("start", "stop"), [(2, 2), (-1, 2), (3, 6), (4, 1)])
+def test_slice_batch_rejects_empty_or_out_of_range(start, stop):
+    batch = (torch.zeros(5, 2),)
+    with pytest.raises(ValueError, match=r"need 0 <= start < stop <= 5"):
+        slice_batch(batch, start, stop)
+
+
+# --- user models ----------------------------------------------------------------------
+
+
+def test_example_user_model_loads_from_the_project_directory(monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(REPO))])
+    monkeypatch.chdir(REPO)
+    spec = build_model("experiments.user_model:build", {"hidden": 8}, seed=1)
+    assert spec.module[0].out_features == 8
+    x, y = spec.make_batch(3, CPU)
+    assert x.shape == (3, 16) and y.shape == (3, 1)
+    loss = spec.loss_fn(spec.module, (x, y))
+    assert loss.shape == () and torch.isfinite(loss)
+    assert spec.tokens_per_sample is None and spec.mixes_batch is None
+
+
+def test_example_user_model_accumulates_exactly(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(REPO)
+    spec = build_model("experiments.user_model:build", {})
+    batch = _float64(spec, 7)
+    full, accumulated = _full_and_accumulated_grads(spec, batch, (3, 2, 2))
+    for key in full:
+        torch.testing.assert_close(accumulated[key], full[key], atol=1e-6, rtol=1e-5)
+
+
+def test_user_model_single_tensor_batch_becomes_a_one_tuple(user_module):
+    name = user_module(
+        """
+        import torch, torch.nn as nn
+
+        def build(width=3):
+            make_batch = lambda n, d: torch.ones(n, width, device=d)
+            return nn.Linear(width, 1), make_batch, lambda m, b: m(b[0]).mean()
+        """
+    )
+    spec = build_model(f"{name}:build", {"width": 5})
+    batch = spec.make_batch(4, CPU)
+    assert isinstance(batch, tuple) and len(batch) == 1 and batch[0].shape == (4, 5)
+
+
+def test_user_model_is_seeded(user_module):
+    name = user_module(
+        """
+        import torch, torch.nn as nn
+
+        def build():
+            make_batch = lambda n, d: torch.randn(n, 4, device=d)
+            return nn.Linear(4, 4), make_batch, lambda m, b: m(b[0]).mean()
+        """
+    )
+    a = build_model(f"{name}:build", {}, seed=5).module.weight
+    b = build_model(f"{name}:build", {}, seed=5).module.weight
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        (
+            "gtp",
+            {},
+            r"^model\.name: unknown model 'gtp'; valid: gpt, mlp, cnn_bn, or "
+            r"package\.module:function \(did you mean 'gpt'\?\)$",
+        ),
+        (
+            "resnet",
+            {},
+            r"^model\.name: unknown model 'resnet'; valid: gpt, mlp, cnn_bn, or "
+            r"package\.module:function$",
+        ),
+        (3, {}, r"^model\.name: must be a string, got 3"),
+        (
+            "gpt",
+            {"n_layers": 3},
+            r"^model\.n_layers: unknown option for model 'gpt'; valid: "
+            r"n_layer, n_head, d_model, seq_len, vocab_size, dropout \(did you mean 'n_layer'\?\)$",
+        ),
+        (
+            "gpt",
+            {"d_model": 130},
+            r"^model\.d_model: must be divisible by model\.n_head "
+            r"\(d_model=130, n_head=4\); valid d_model near 130: 128, 132$",
+        ),
+        (
+            "gpt",
+            {"n_layer": 0},
+            r"^model\.n_layer: must be a positive integer, got 0; "
+            r"the default is 2$",
+        ),
+        ("gpt", {"n_layer": True}, r"^model\.n_layer: must be a positive integer, got True"),
+        ("mlp", {"hidden": "512"}, r"^model\.hidden: must be a positive integer, got '512'"),
+        ("cnn_bn", {"width": 2.0}, r"^model\.width: must be a positive integer, got 2\.0"),
+        (
+            "gpt",
+            {"dropout": 1.0},
+            r"^model\.dropout: must be a float in \[0, 1\), got 1\.0; "
+            r"the default is 0\.0$",
+        ),
+        ("gpt", {"dropout": -0.1}, r"^model\.dropout: must be a float in \[0, 1\), got -0\.1"),
+        ("gpt", {"dropout": False}, r"^model\.dropout: must be a float in \[0, 1\), got False"),
+        ("a.b:c:d", {}, r"^model\.name: 'a\.b:c:d' is not of the form package\.module:function"),
+    ],
+)
+def test_bad_builtin_name_or_option(name, options, match):
+    with pytest.raises(ModelError, match=match):
+        build_model(name, options)
+
+
+def test_dropout_accepts_an_int_zero():
+    assert build_model("gpt", {"dropout": 0}).module.blocks[0].attn.dropout == 0.0
+
+
+def test_model_error_is_a_value_error():
+    assert issubclass(ModelError, ValueError)
+
+
+def test_non_importable_module(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(
+        ModelError,
+        match=r"^model\.name: cannot import 'no_such_pkg\.mod' \(ModuleNotFoundError: No module "
+        r"named 'no_such_pkg'\); expected package\.module:function importable from the "
+        r"current directory$",
+    ):
+        build_model("no_such_pkg.mod:build", {})
+
+
+def test_module_that_fails_on_import(user_module):
+    name = user_module("raise RuntimeError('needs a GPU\\nto import')\n")
+    with pytest.raises(
+        ModelError, match=rf"^model\.name: cannot import '{name}' \(RuntimeError: needs a GPU to "
+    ):
+        build_model(f"{name}:build", {})
+
+
+def test_current_directory_is_made_importable(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    name = f"cwd_model_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Linear(2, 1), lambda n, d: torch.zeros(n, 2), lambda m, b: m(b[0]).mean()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert build_model(f"{name}:build", {}).module.in_features == 2
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_missing_function(user_module):
+    name = user_module("def build_model():\n    pass\n")
+    with pytest.raises(
+        ModelError,
+        match=rf"^model\.name: module '{name}' has no attribute 'build' \(did you mean "
+        r"'build_model'\?\); expected package\.module:function where function\(\*\*options\)",
+    ):
+        build_model(f"{name}:build", {})
+
+
+def test_not_callable(user_module):
+    name = user_module("build = 3\n")
+    with pytest.raises(ModelError, match=rf"^model\.name: '{name}:build' is a int, not a function"):
+        build_model(f"{name}:build", {})
+
+
+@pytest.mark.parametrize(
+    ("returns", "match"),
+    [
+        ("nn.Linear(2, 1)", r"returned a Linear, not a 3-tuple"),
+        ("[nn.Linear(2, 1), mb, loss]", r"returned a list of 3 items, not a 3-tuple"),
+        ("(nn.Linear(2, 1), mb)", r"returned a tuple of 2 items, not a 3-tuple"),
+        ("('linear', mb, loss)", r"returned a str as first item, not a torch\.nn\.Module"),
+        ("(nn.Linear(2, 1), 4, loss)", r"returned a int as make_batch, not a function"),
+        ("(nn.Linear(2, 1), mb, None)", r"returned a NoneType as loss, not a function"),
+    ],
+)
+def test_function_returning_the_wrong_things(user_module, returns, match):
+    name = user_module(
+        f"""
+        import torch, torch.nn as nn
+
+        def mb(n, device):
+            return torch.zeros(n, 2, device=device)
+
+        def loss(module, batch):
+            return module(batch[0]).mean()
+
+        def build():
+            return {returns}
+        """
+    )
+    with pytest.raises(
+        ModelError, match=rf"^model\.name: '{name}:build' {match}; expected package\.module"
+    ):
+        build_model(f"{name}:build", {})
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            "(torch.zeros(n, 2), torch.zeros(3))",
+            r"returned tensors of shapes \(2, 2\), \(3,\); every tensor must have leading "
+            r"dimension 2 \(one row per sample\)$",
+        ),
+        ("torch.zeros(())", r"returned tensors of shapes \(\); every tensor must have leading"),
+        ("{'x': torch.zeros(n)}", r"returned a dict; expected a tensor or a tuple of tensors"),
+        ("()", r"returned a tuple; expected a tensor or a tuple of tensors"),
+    ],
+)
+def test_make_batch_returning_the_wrong_batch(user_module, batch, match):
+    name = user_module(
+        f"""
+        import torch, torch.nn as nn
+
+        def build():
+            return nn.Linear(2, 1), lambda n, device: {batch}, lambda m, b: m(b[0]).mean()
+        """
+    )
+    with pytest.raises(
+        ModelError, match=rf"^model\.name: make_batch\(2, device\) from '{name}:build' {match}"
+    ):
+        build_model(f"{name}:build", {})
+
+
+def test_make_batch_checked_at_every_call(user_module):
+    name = user_module(
+        """
+        import torch, torch.nn as nn
+
+        def build():
+            return nn.Linear(2, 1), lambda n, d: torch.zeros(min(n, 2), 2), lambda m, b: m(b[0])
+        """
+    )
+    spec = build_model(f"{name}:build", {})
+    with pytest.raises(ModelError, match=r"make_batch\(5, device\) .* leading dimension 5"):
+        spec.make_batch(5, CPU)
+
+
+def test_function_that_raises(user_module):
+    name = user_module(
+        """
+        def build(depth=1):
+            raise RuntimeError(f"depth {depth} is too deep\\nsee the docs")
+        """
+    )
+    with pytest.raises(
+        ModelError,
+        match=rf"^model\.name: '{name}:build' raised RuntimeError: depth 9 is too deep see the "
+        r"docs$",
+    ):
+        build_model(f"{name}:build", {"depth": 9})
+
+
+def test_make_batch_that_raises(user_module):
+    name = user_module(
+        """
+        import torch.nn as nn
+
+        def make_batch(n, device):
+            raise KeyError("x")
+
+        def build():
+            return nn.Linear(2, 1), make_batch, lambda m, b: m(b[0]).mean()
+        """
+    )
+    with pytest.raises(
+        ModelError, match=rf"^model\.name: make_batch\(2, cpu\) from '{name}:build' raised KeyError"
+    ):
+        build_model(f"{name}:build", {})
+
+
+def test_user_option_the_function_does_not_take(user_module):
+    name = user_module(
+        """
+        def build(hidden=4, depth=2):
+            pass
+        """
+    )
+    with pytest.raises(
+        ModelError,
+        match=rf"^model\.hiden: unknown option for model '{name}:build'; valid: hidden, depth "
+        r"\(did you mean 'hidden'\?\)$",
+    ):
+        build_model(f"{name}:build", {"hiden": 8})
+
+
+def test_validation_does_not_shift_the_callers_rng(user_module):
+    name = user_module(
+        """
+        import torch, torch.nn as nn
+
+        def build():
+            return nn.Linear(2, 1), lambda n, d: torch.randn(n, 2), lambda m, b: m(b[0]).mean()
+        """
+    )
+    build_model(f"{name}:build", {}, seed=0)
+    after_build = torch.rand(3)
+    torch.manual_seed(0)
+    nn.Linear(2, 1)  # what building consumed
+    assert torch.equal(after_build, torch.rand(3))
