@@ -71,6 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", choices=("table", "csv", "json"), default="table", help="output format"
     )
     space.set_defaults(handler=_space)
+
+    trial = commands.add_parser(
+        "trial",
+        parents=[experiment],
+        help="measure one configuration, without Ray",
+        description="Build, compile, warm up and time one (batch_size, num_devices, "
+        "micro_batch_size) of the experiment's model, and print what was measured. Sizes "
+        "not given default to the experiment's train_input.",
+    )
+    trial.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
+    trial.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
+    trial.add_argument(
+        "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
+    )
+    trial.add_argument("--json", action="store_true", help="print one JSON object")
+    trial.set_defaults(handler=_trial)
     return parser
 
 
@@ -201,6 +217,99 @@ def _space(args: argparse.Namespace) -> int:
             f"(mode {exp.train_input.micro_batch_size}, space '{exp.search.space.source}')"
         )
     return 0
+
+
+# ---------------------------------------------------------------------------
+# trial
+
+
+def _trial(args: argparse.Namespace) -> int:
+    from mbtune.trial import run_trial
+
+    exp = load_experiment(args.experiment, args.overrides)
+    config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
+    result = run_trial(exp, config)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        for line in result_lines(result):
+            print(line)
+    return 0 if result.status == "ok" else 1
+
+
+def trial_config(
+    exp: Experiment, batch_size: int | None, num_devices: int | None, micro: int | None
+) -> BatchConfig:
+    """The configuration ``mbtune trial`` measures: flags over the experiment's own."""
+    from mbtune import lattice
+
+    t = exp.train_input
+    b = batch_size if batch_size is not None else t.batch_size
+    n = num_devices if num_devices is not None else t.num_devices
+    for flag, value in (("--batch-size", b), ("--num-devices", n), ("--micro-batch-size", micro)):
+        if value is not None and value < 1:
+            raise MbtuneError(f"{flag}: must be a positive whole number, got {value}")
+    if b < n:
+        raise MbtuneError(
+            f"--batch-size: batch_size {b} is smaller than num_devices {n}; use >= {n}"
+        )
+    p = lattice.per_device_batch(b, n)
+    if micro is None:
+        micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else p
+    if micro > p:
+        raise MbtuneError(
+            f"--micro-batch-size: {micro} exceeds the per-device batch {p} (batch_size {b} / "
+            f"num_devices {n}); valid: 1..{p}"
+        )
+    config = BatchConfig(b, n, micro)
+    uneven_ok = t.allow_uneven or t.mode == "explore"
+    if not config.is_strict and not uneven_ok:
+        try:
+            lattice.check_strict(b, n, micro)
+        except MbtuneError as e:
+            raise MbtuneError(f"{e} (or set train_input.allow_uneven: true)") from None
+    return config
+
+
+def result_lines(r: Any) -> list[str]:
+    """A trial result, for a person."""
+    split = (
+        "+".join(map(str, r.micro_batches))
+        if len(set(r.micro_batches)) > 1
+        else (f"{len(r.micro_batches)} x {r.micro_batches[0]}" if r.micro_batches else "?")
+    )
+    lines = [
+        f"batch_size {r.batch_size}, num_devices {r.num_devices}, micro_batch_size "
+        f"{r.micro_batch_size}: per device {r.per_device_batch} samples as {split} "
+        f"({r.grad_accum_steps} micro-batch{'es' if r.grad_accum_steps > 1 else ''}) on "
+        f"{r.device}",
+        f"  status       {r.status}" + (f" ({r.reason})" if r.reason else ""),
+    ]
+    if r.note:
+        lines.append(f"  note         {r.note}")
+    if len(r.micro_batch_sizes_tried) > 1:
+        tried = ", ".join(map(str, r.micro_batch_sizes_tried))
+        lines.append(f"  tried        micro_batch_size {tried} (halved on out of memory)")
+    if r.samples_per_s is not None:
+        tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""
+        lines += [
+            f"  throughput   {r.samples_per_s:,.1f} samples/s "
+            f"({r.samples_per_s_per_device:,.1f} per device){tokens}",
+            f"  step time    {r.step_time_ms_median:.2f} ms median, IQR "
+            f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps",
+            f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
+            f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms",
+        ]
+    if r.eval_samples_per_s is not None:
+        lines.append(f"  eval         {r.eval_samples_per_s:,.1f} samples/s forward-only")
+    if r.compile_s is not None:
+        lines.append(f"  compile      {r.compile_s:.1f} s (not counted in throughput)")
+    if r.compile_fallback:
+        lines.append(f"  warning      {r.compile_fallback}")
+    if r.peak_memory_bytes is not None:
+        lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB")
+    lines.append(f"  wall time    {r.wall_s:.1f} s")
+    return lines
 
 
 if __name__ == "__main__":

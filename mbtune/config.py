@@ -25,8 +25,10 @@ from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
 
 __all__ = [
     "BACKENDS",
+    "COMPILE_MODES",
     "DEVICES",
     "OBJECTIVES",
+    "ON_OOM",
     "PARALLEL",
     "SAMPLERS",
     "SEARCH_SPACES_DIR",
@@ -50,6 +52,8 @@ OBJECTIVES = ("samples_per_s", "samples_per_s_per_device")
 BACKENDS = ("torch", "replay")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("simulate", "ddp")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+ON_OOM = ("fail", "halve")
 BUILTIN_MODELS = ("gpt", "mlp", "cnn_bn")
 SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
@@ -205,10 +209,22 @@ class TrialConfig:
     """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp``."""
     compile: bool = True
     """Compile the model with torch.compile; compile time is reported apart."""
+    compile_mode: str = "default"
+    """torch.compile's mode: ``default``, ``reduce-overhead``, ``max-autotune``, ..."""
+    dynamic: bool = False
+    """Compile once for every micro-batch size (a dynamic batch dimension)."""
     warmup_steps: int = 2
     measure_steps: int = 5
+    eval: bool = False
+    """Also measure forward-only (evaluation) throughput at the same micro-batch size."""
     device_memory: int | None = None
     """Memory budget per device in bytes (YAML: ``8GiB``, ``512MB`` or bytes); above it: oom."""
+    on_oom: str = "fail"
+    """``fail`` (record oom) or ``halve`` (Composer: halve the micro-batch and retry)."""
+    link_bandwidth: int = 25 * 10**9
+    """Bytes/s of one link of the modelled ring all-reduce (YAML: ``25GB`` or bytes)."""
+    link_latency_us: float = 10.0
+    """Latency of one hop of the modelled ring all-reduce, in microseconds."""
     timeout_s: float = 600.0
     """A trial still running after this many seconds is stopped and recorded as timeout."""
 
@@ -525,9 +541,17 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
         device=sec.choice("device", DEVICES, default="auto"),
         parallel=sec.choice("parallel", PARALLEL, default="simulate"),
         compile=sec.bool("compile", default=True),
+        compile_mode=sec.choice("compile_mode", COMPILE_MODES, default="default"),
+        dynamic=sec.bool("dynamic", default=False),
         warmup_steps=sec.int("warmup_steps", default=2, minimum=0),
         measure_steps=sec.int("measure_steps", default=5),
+        eval=sec.bool("eval", default=False),
         device_memory=parse_memory(memory, "trial.device_memory") if memory is not None else None,
+        on_oom=sec.choice("on_oom", ON_OOM, default="fail"),
+        link_bandwidth=parse_memory(
+            sec.get("link_bandwidth", default=25 * 10**9), "trial.link_bandwidth"
+        ),
+        link_latency_us=sec.float("link_latency_us", default=10.0, minimum=0.0),
         timeout_s=sec.float("timeout_s", default=600.0, minimum=1.0),
     )
 
@@ -551,13 +575,13 @@ _MEMORY_UNITS = {
 
 
 def parse_memory(value: Any, where: str = "trial.device_memory") -> int:
-    """``8GiB``, ``512MB``, ``1.5GB`` or a number of bytes -> bytes."""
+    """``8GiB``, ``512MB``, ``1.5GB`` or a number of bytes -> bytes (a rate may end in /s)."""
     rule = "expected bytes or a size such as 8GiB, 512MB, 1.5GB"
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
             raise ConfigError(where, f"must be positive, got {value}; {rule}")
         return value
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*", str(value))
     if not isinstance(value, str) or not match or match[2].lower() not in _MEMORY_UNITS:
         raise ConfigError(where, f"{_show(value)} is not a memory size; {rule}")
     size = int(float(match[1]) * _MEMORY_UNITS[match[2].lower()])

@@ -1,0 +1,538 @@
+"""One trial: build, compile, warm up and time a microbatched training step.
+
+The trial is the measuring instrument of the whole tool. It follows DESIGN.md's trial
+protocol: one optimizer step = g forward/backward passes over micro-batches that differ
+by at most one sample, each loss scaled by (micro-batch samples / P) so the accumulated
+gradient equals the full-batch one, then the gradient all-reduce (modelled), then the
+optimizer step. Compile time is measured on its own and never mixed into throughput;
+every step time is kept.
+
+Out of memory is a result (status ``oom``), not a crash. Bad input (a model that does not
+import, a CUDA device that does not exist, a replay table without the right columns)
+raises :class:`~mbtune.errors.MbtuneError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import gc
+import itertools
+import logging
+import random
+import re
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mbtune import lattice
+from mbtune.config import Experiment
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+
+__all__ = [
+    "STATUSES",
+    "ReplayTable",
+    "TrialResult",
+    "accumulate_gradients",
+    "resolve_device",
+    "ring_allreduce_s",
+    "run_trial",
+    "split_batch",
+]
+
+STATUSES = ("ok", "oom", "error", "timeout")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialResult:
+    """What one trial measured. Times in ms unless the name says otherwise."""
+
+    status: str
+    """``ok``, ``oom``, ``error`` or ``timeout``."""
+    batch_size: int
+    num_devices: int
+    micro_batch_size: int
+    """The micro-batch size measured (after halving on OOM, or m = P for batch mixing)."""
+    per_device_batch: int
+    grad_accum_steps: int
+    micro_batches: tuple[int, ...] = ()
+    """The micro-batches one device runs per step, e.g. (4, 4) or (3, 2, 2)."""
+    pipeline_stages: int = 1
+    samples_per_s: float | None = None
+    """Global throughput: batch_size / median step time."""
+    samples_per_s_per_device: float | None = None
+    tokens_per_s: float | None = None
+    step_time_ms_median: float | None = None
+    step_time_ms_iqr: float | None = None
+    """Spread: the interquartile range of the step times."""
+    step_times_ms: tuple[float, ...] = ()
+    """Every timed step, in order."""
+    compute_time_ms: float | None = None
+    """Median time of the forward/backward passes and optimizer step on one device."""
+    comm_time_ms: float = 0.0
+    """Modelled ring all-reduce time per step (zero on one device)."""
+    bubble_time_ms: float = 0.0
+    """Modelled pipeline bubble per step (zero without pipeline stages)."""
+    compile_s: float | None = None
+    """Compile time: first steps minus their share of steady-state time; None: not compiled."""
+    compile_fallback: str | None = None
+    """Why compilation silently fell back to eager (recompile limit), if it did."""
+    peak_memory_bytes: int | None = None
+    eval_samples_per_s: float | None = None
+    """Forward-only throughput at the same micro-batch size (``trial.eval``)."""
+    micro_batch_sizes_tried: tuple[int, ...] = ()
+    """Every micro-batch size tried, in order (more than one after halving on OOM)."""
+    device: str = "cpu"
+    backend: str = "torch"
+    reason: str | None = None
+    """Why the status is not ok, in one line."""
+    note: str | None = None
+    """Something the user should know about the measurement (e.g. batch mixing)."""
+    wall_s: float = 0.0
+    """Wall time of the whole trial, build and compile included."""
+
+    @property
+    def config(self) -> BatchConfig:
+        return BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["micro_batches"] = list(self.micro_batches)
+        d["step_times_ms"] = list(self.step_times_ms)
+        d["micro_batch_sizes_tried"] = list(self.micro_batch_sizes_tried)
+        return d
+
+
+def ring_allreduce_s(
+    grad_bytes: int, num_devices: int, bandwidth: float, latency_s: float
+) -> float:
+    """Time of a ring all-reduce of ``grad_bytes`` over ``num_devices``.
+
+    A ring all-reduce is a reduce-scatter then an all-gather, each n - 1 steps that move
+    S / n bytes per link: t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency.
+    """
+    if num_devices <= 1:
+        return 0.0
+    n = num_devices
+    return 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * latency_s
+
+
+def run_trial(exp: Experiment, config: BatchConfig) -> TrialResult:
+    """Measure one configuration of ``exp`` with its backend.
+
+    With ``trial.on_oom: halve`` an out-of-memory result is retried at half the
+    micro-batch size (Composer's behaviour) until it fits or the size reaches one.
+    """
+    started = time.perf_counter()
+    measure = _replay if exp.trial.backend == "replay" else _measure_torch
+    tried: list[int] = []
+    while True:
+        tried.append(config.micro_batch_size)
+        result = _with_timeout(exp.trial.timeout_s, lambda c=config: measure(exp, c))
+        if result is None:
+            result = dataclasses.replace(
+                _base_result(exp, config, device=exp.trial.device, note=None),
+                status="timeout",
+                reason=f"still running after trial.timeout_s = {exp.trial.timeout_s:g} s",
+            )
+        if result.status != "oom" or exp.trial.on_oom != "halve" or config.micro_batch_size == 1:
+            break
+        config = BatchConfig(config.batch_size, config.num_devices, config.micro_batch_size // 2)
+    return dataclasses.replace(
+        result, micro_batch_sizes_tried=tuple(tried), wall_s=time.perf_counter() - started
+    )
+
+
+# ---------------------------------------------------------------------------
+# the torch backend
+
+
+def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
+    import torch
+
+    from mbtune.models import build_model
+
+    tr = exp.trial
+    device = resolve_device(tr.device)
+    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
+    note = None
+    if spec.mixes_batch and config.grad_accum_steps > 1:
+        note = (
+            f"{spec.mixes_batch}; measured at micro_batch_size {config.per_device_batch} "
+            "(no accumulation) instead"
+        )
+        config = BatchConfig(config.batch_size, config.num_devices, config.per_device_batch)
+    base = _base_result(exp, config, device=str(device), note=note)
+    try:
+        return _timed_steps(exp, config, spec, device, base)
+    except Exception as exc:  # a failed trial is a recorded result
+        if _is_oom(exc):
+            return dataclasses.replace(base, status="oom", reason=_one_line(exc))
+        return dataclasses.replace(base, status="error", reason=_one_line(exc))
+    finally:
+        _release(torch, device)
+
+
+def split_batch(data: tuple[Any, ...], sizes: list[int]) -> list[tuple[Any, ...]]:
+    """Consecutive micro-batches of the given sizes (views of ``data``, no copies)."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [tuple(t[a:b] for t in data) for a, b in itertools.pairwise(bounds)]
+
+
+def accumulate_gradients(loss_fn: Callable, model: Any, batches: list[tuple[Any, ...]]) -> None:
+    """One forward/backward pass per micro-batch, each mean loss weighted by its share.
+
+    The weighted means sum to the mean loss of the whole per-device batch, so the
+    accumulated gradient equals the full-batch gradient, uneven micro-batches included.
+    """
+    total = sum(len(batch[0]) for batch in batches)
+    for batch in batches:
+        (loss_fn(model, batch) * (len(batch[0]) / total)).backward()
+
+
+def resolve_device(name: str) -> Any:
+    """``auto``: CUDA where torch sees one, else the CPU."""
+    import torch
+
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise MbtuneError(
+            f"trial.device: cuda was asked for, but torch {torch.__version__} sees no CUDA "
+            "device; use device: cpu or auto"
+        )
+    return torch.device("cuda")
+
+
+def _timed_steps(
+    exp: Experiment, config: BatchConfig, spec: Any, device: Any, base: TrialResult
+) -> TrialResult:
+    import torch
+
+    tr = exp.trial
+    cuda = device.type == "cuda"
+    torch.manual_seed(exp.search.seed)
+    module = spec.module.to(device)
+    module.train()
+    # Synthetic data for the busiest device (P samples), made once, outside the timing.
+    data = spec.make_batch(config.per_device_batch, device)
+    batches = split_batch(data, config.micro_batch_sizes)
+    model = _compile(module, tr) if tr.compile else module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def step() -> None:
+        accumulate_gradients(spec.loss_fn, model, batches)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    with _fallback_watch() as fallback:
+        first = timed(step)  # compiles every micro-batch shape of this split
+        _reset_peak(torch, device)
+        for _ in range(tr.warmup_steps):
+            timed(step)
+        compute = [timed(step) for _ in range(tr.measure_steps)]
+        eval_s = _eval_time(spec.loss_fn, model, batches, timed) if tr.eval else None
+    peak = _peak_memory(torch, device)
+
+    p = max(1, exp.train_input.pipeline_stages)
+    comm = ring_allreduce_s(
+        grad_bytes // p, config.num_devices, tr.link_bandwidth, tr.link_latency_us * 1e-6
+    )
+    # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and the
+    # p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
+    bubble_share = lattice.bubble_fraction(p, config.grad_accum_steps)
+    steps = [c / p * (1 + bubble_share) + comm for c in compute]
+    median = statistics.median(steps)
+    compute_median = statistics.median(compute)
+    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
+    samples_per_s = config.batch_size / median
+    status, reason = "ok", None
+    if tr.device_memory is not None and peak is not None and peak > tr.device_memory:
+        status = "oom"
+        reason = (
+            f"peak memory {peak / 2**20:.0f} MiB is above the budget trial.device_memory "
+            f"{tr.device_memory / 2**20:.0f} MiB"
+        )
+    return dataclasses.replace(
+        base,
+        status=status,
+        reason=reason,
+        samples_per_s=samples_per_s,
+        samples_per_s_per_device=samples_per_s / config.num_devices,
+        tokens_per_s=samples_per_s * spec.tokens_per_sample if spec.tokens_per_sample else None,
+        step_time_ms_median=median * 1e3,
+        step_time_ms_iqr=(q[2] - q[0]) * 1e3,
+        step_times_ms=tuple(s * 1e3 for s in steps),
+        compute_time_ms=compute_median / p * 1e3,
+        comm_time_ms=comm * 1e3,
+        bubble_time_ms=compute_median / p * bubble_share * 1e3,
+        compile_s=max(0.0, first - compute_median) if tr.compile else None,
+        compile_fallback=fallback.reason,
+        peak_memory_bytes=peak,
+        eval_samples_per_s=config.batch_size / eval_s if eval_s else None,
+    )
+
+
+def _eval_time(loss_fn: Callable, model: Any, batches: list[Any], timed: Callable) -> float:
+    """Median time of a forward-only pass over the same micro-batches."""
+    import torch
+
+    def forward() -> None:
+        with torch.no_grad():
+            for batch in batches:
+                loss_fn(model, batch)
+
+    timed(forward)  # compiles the no-grad graph
+    return statistics.median(timed(forward) for _ in range(3))
+
+
+def _compile(module: Any, tr: Any) -> Any:
+    import torch
+
+    return torch.compile(module, mode=tr.compile_mode, dynamic=tr.dynamic)
+
+
+class _FallbackWatch(logging.Handler):
+    """Catches torch._dynamo's warning that it hit the recompile limit and ran eager."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reason: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "hit config." in message and self.reason is None:
+            limit = re.search(r"hit config\.(\w+) \((\d+)\)", message)
+            what = f"{limit[1]} ({limit[2]})" if limit else "a recompile limit"
+            self.reason = (
+                f"torch.compile hit {what} and ran the model eagerly; set trial.dynamic: true "
+                "to compile once for every micro-batch size"
+            )
+
+
+@contextlib.contextmanager
+def _fallback_watch() -> Iterator[_FallbackWatch]:
+    watch = _FallbackWatch()
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(watch)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
+
+
+# ---------------------------------------------------------------------------
+# memory
+
+
+def _reset_peak(torch: Any, device: Any) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):  # Linux: "5" resets the peak resident set size
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_memory(torch: Any, device: Any) -> int | None:
+    """CUDA: the allocator's peak; CPU: this process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) * 1024  # type: ignore[index]
+    except (OSError, TypeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error, also one wrapped inside a compile error."""
+    import torch
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _release(torch: Any, device: Any) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# the replay backend
+
+
+class ReplayTable:
+    """Measured throughputs read from a CSV: batch_size, num_devices, micro_batch_size,
+    samples_per_s, and optionally peak_memory_bytes and status."""
+
+    REQUIRED = ("batch_size", "num_devices", "micro_batch_size", "samples_per_s")
+    OPTIONAL = ("peak_memory_bytes", "status")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[BatchConfig, dict[str, Any]] = {}
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                missing = [c for c in self.REQUIRED if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise MbtuneError(
+                        f"trial.table: {path} lacks the column(s) {', '.join(missing)}; it needs "
+                        f"{', '.join(self.REQUIRED)} (optional: {', '.join(self.OPTIONAL)})"
+                    )
+                for line, row in enumerate(reader, start=2):
+                    self._add(row, line)
+        except OSError as e:
+            raise MbtuneError(f"trial.table: cannot read {path}: {e.strerror}") from None
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise MbtuneError(f"trial.table: {path} is not a CSV file ({e})") from None
+
+    def _add(self, row: dict[str, str], line: int) -> None:
+        try:
+            b, n, m = (int(row[k]) for k in self.REQUIRED[:3])
+            config = BatchConfig(b, n, m)
+            status = (row.get("status") or "ok").strip()
+            speed = float(row["samples_per_s"]) if row["samples_per_s"] not in ("", None) else None
+            peak = row.get("peak_memory_bytes")
+            entry = {
+                "status": status,
+                "samples_per_s": speed,
+                "peak_memory_bytes": int(float(peak)) if peak not in ("", None) else None,
+            }
+        except (TypeError, ValueError) as e:
+            raise MbtuneError(f"trial.table: {self.path} line {line}: {_one_line(e)}") from None
+        if status not in STATUSES or (status == "ok" and (speed is None or speed <= 0)):
+            raise MbtuneError(
+                f"trial.table: {self.path} line {line}: status {status!r} with samples_per_s "
+                f"{row['samples_per_s']!r}; status must be one of {', '.join(STATUSES)}, and "
+                "an ok row needs a positive samples_per_s"
+            )
+        self.rows[config] = entry
+
+    def lookup(self, config: BatchConfig) -> dict[str, Any]:
+        row = self.rows.get(config) or self.rows.get(config.canonical())
+        if row is None:
+            raise MbtuneError(
+                f"trial.table: {self.path} has no row for batch_size {config.batch_size}, "
+                f"num_devices {config.num_devices}, micro_batch_size {config.micro_batch_size}; "
+                f"it holds {len(self.rows)} configurations"
+            )
+        return row
+
+
+_TABLES: dict[Path, ReplayTable] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def _replay(exp: Experiment, config: BatchConfig) -> TrialResult:
+    tr = exp.trial
+    assert tr.table is not None  # checked when the experiment was parsed
+    with _TABLES_LOCK:
+        table = _TABLES.get(tr.table) or _TABLES.setdefault(tr.table, ReplayTable(tr.table))
+    row = table.lookup(config)
+    base = _base_result(exp, config, device="replay", note=None)
+    peak = row["peak_memory_bytes"]
+    base = dataclasses.replace(base, backend="replay", peak_memory_bytes=peak)
+    if row["status"] != "ok":
+        return dataclasses.replace(base, status=row["status"], reason="as recorded in the table")
+    if tr.device_memory is not None and peak is not None and peak > tr.device_memory:
+        return dataclasses.replace(
+            base, status="oom", reason=f"peak memory {peak} B is above trial.device_memory"
+        )
+    # seeded per configuration, so a replayed trial is repeatable whatever ran before it
+    rng = random.Random(hash((exp.search.seed, config.batch_size, config.num_devices,
+                              config.micro_batch_size)))  # fmt: skip
+    step_s = config.batch_size / row["samples_per_s"]
+    steps = [step_s * max(0.05, 1 + tr.noise * rng.gauss(0, 1)) for _ in range(tr.measure_steps)]
+    median = statistics.median(steps)
+    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
+    speed = config.batch_size / median
+    return dataclasses.replace(
+        base,
+        status="ok",
+        samples_per_s=speed,
+        samples_per_s_per_device=speed / config.num_devices,
+        step_time_ms_median=median * 1e3,
+        step_time_ms_iqr=(q[2] - q[0]) * 1e3,
+        step_times_ms=tuple(s * 1e3 for s in steps),
+        compute_time_ms=median * 1e3,
+    )
+
+
+# ---------------------------------------------------------------------------
+# shared
+
+
+def _base_result(
+    exp: Experiment, config: BatchConfig, *, device: str, note: str | None
+) -> TrialResult:
+    return TrialResult(
+        status="error",
+        batch_size=config.batch_size,
+        num_devices=config.num_devices,
+        micro_batch_size=config.micro_batch_size,
+        per_device_batch=config.per_device_batch,
+        grad_accum_steps=config.grad_accum_steps,
+        micro_batches=tuple(config.micro_batch_sizes),
+        pipeline_stages=exp.train_input.pipeline_stages,
+        device=device,
+        backend=exp.trial.backend,
+        note=note,
+    )
+
+
+def _with_timeout(timeout_s: float, fn: Callable[[], TrialResult]) -> TrialResult | None:
+    """Run ``fn``; past ``timeout_s`` stop it (main thread only) and return None."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()  # Ray stops trials that overrun from outside
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _TrialTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn()
+    except _TrialTimeout:
+        return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _TrialTimeout(BaseException):
+    """Raised by the alarm; a BaseException so that the trial's own handlers let it pass."""
+
+
+def _one_line(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
