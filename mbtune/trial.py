@@ -173,8 +173,9 @@ def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
     try:
         return _timed_steps(exp, config, spec, device, base)
     except Exception as exc:  # a failed trial is a recorded result
-        if _is_oom(exc):
-            return dataclasses.replace(base, status="oom", reason=_one_line(exc))
+        oom = _find_oom(exc)
+        if oom is not None:
+            return dataclasses.replace(base, status="oom", reason=_one_line(oom))
         return dataclasses.replace(base, status="error", reason=_one_line(exc))
     finally:
         _release(torch, device)
@@ -365,18 +366,20 @@ def _peak_memory(torch: Any, device: Any) -> int | None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _is_oom(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error, also one wrapped inside a compile error."""
+def _find_oom(exc: BaseException) -> BaseException | None:
+    """The out-of-memory error in ``exc``'s chain (e.g. wrapped by a compile error), if any."""
     import torch
 
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(e):
-            return True
+        if isinstance(e, torch.OutOfMemoryError | MemoryError) or re.search(
+            r"CUDA out of memory|OutOfMemoryError", str(e)
+        ):
+            return e
         e = e.__cause__ or e.__context__
-    return False
+    return None
 
 
 def _release(torch: Any, device: Any) -> None:

@@ -1,0 +1,361 @@
+"""The trial engine: the microbatched step, the measurement, OOM, timeouts, replay."""
+
+import json
+import re
+import statistics
+import textwrap
+
+import pytest
+import torch
+
+from mbtune.cli import main
+from mbtune.config import parse_experiment
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+from mbtune.models import build_model
+from mbtune.trial import (
+    ReplayTable,
+    accumulate_gradients,
+    ring_allreduce_s,
+    run_trial,
+    split_batch,
+)
+
+
+def experiment(model="mlp", batch_size=16, micro="auto", trial=None, **train_input):
+    options = {"in_features": 16, "hidden": 16, "n_layer": 1} if model == "mlp" else {}
+    if isinstance(model, dict):
+        options, model = {k: v for k, v in model.items() if k != "name"}, model["name"]
+    return parse_experiment(
+        {
+            "name": "t",
+            "model": {"name": model, **options},
+            "train_input": {"batch_size": batch_size, "micro_batch_size": micro, **train_input},
+            "search": {"space": {"num_devices": [1, 2, 4], "micro_batch_size": {"min": 1,
+                                                                                "max": 64}}},
+            "trial": {"compile": False, "warmup_steps": 1, "measure_steps": 3, **(trial or {})},
+        }
+    )  # fmt: skip
+
+
+def user_module(tmp_path, monkeypatch, name, body):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:build"
+
+
+# -- the microbatched step --------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("sizes", [[4, 4], [3, 2, 2], [1] * 7])
+def test_accumulated_gradients_equal_full_batch_gradients(model, sizes):
+    options = (
+        {"n_layer": 1, "d_model": 32, "seq_len": 8, "vocab_size": 64} if model == "gpt" else {}
+    )
+    spec = build_model(model, options, seed=0)
+    module = spec.module.double()
+    torch.manual_seed(1)
+    batch = spec.make_batch(sum(sizes), torch.device("cpu"))
+    data = tuple(t.double() if t.is_floating_point() else t for t in batch)
+    spec.loss_fn(module, data).backward()
+    full = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    accumulate_gradients(spec.loss_fn, module, split_batch(data, sizes))
+    for expected, p in zip(full, module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_split_batch_gives_consecutive_views():
+    data = (torch.arange(7), torch.arange(7) * 10)
+    parts = split_batch(data, [3, 2, 2])
+    assert [p[0].tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert parts[1][1].tolist() == [30, 40]
+
+
+def test_ring_allreduce_formula():
+    assert ring_allreduce_s(10**9, 1, 1e9, 1e-5) == 0.0
+    # 2 (n - 1) / n * S / bw + 2 (n - 1) * latency, n = 4
+    assert ring_allreduce_s(10**9, 4, 1e9, 1e-5) == pytest.approx(1.5 + 6e-5)
+
+
+# -- measurement --------------------------------------------------------------------
+
+
+def test_a_trial_reports_every_figure_consistently():
+    exp = experiment(trial={"measure_steps": 4})
+    r = run_trial(exp, BatchConfig(16, 1, 4))
+    assert r.status == "ok", r.reason
+    assert (r.per_device_batch, r.grad_accum_steps, r.micro_batches) == (16, 4, (4, 4, 4, 4))
+    assert len(r.step_times_ms) == 4
+    assert r.step_time_ms_median == pytest.approx(statistics.median(r.step_times_ms))
+    assert r.samples_per_s == pytest.approx(16 / (r.step_time_ms_median / 1e3))
+    assert r.tokens_per_s is None and r.compile_s is None
+    assert r.comm_time_ms == 0.0 and r.bubble_time_ms == 0.0
+    assert r.peak_memory_bytes > 0 and r.micro_batch_sizes_tried == (4,)
+    assert r.wall_s > 0 and r.device == "cpu"
+
+
+def test_several_devices_add_the_modelled_all_reduce():
+    exp = experiment(trial={"link_bandwidth": "1GB", "link_latency_us": 10})
+    r = run_trial(exp, BatchConfig(16, 4, 2))
+    spec = build_model("mlp", exp.model.options)
+    grad_bytes = sum(p.numel() * 4 for p in spec.module.parameters())
+    assert r.comm_time_ms == pytest.approx(ring_allreduce_s(grad_bytes, 4, 1e9, 1e-5) * 1e3)
+    assert r.per_device_batch == 4 and r.micro_batches == (2, 2)
+    assert r.samples_per_s_per_device == pytest.approx(r.samples_per_s / 4)
+    assert r.step_times_ms[0] > r.comm_time_ms
+
+
+def test_pipeline_stages_add_the_bubble():
+    exp = experiment(micro=2, pipeline_stages=4)
+    r = run_trial(exp, BatchConfig(16, 1, 2))  # g = 8 micro-batches
+    assert r.pipeline_stages == 4
+    assert r.bubble_time_ms == pytest.approx(r.compute_time_ms * 3 / 8)
+
+
+def test_gpt_reports_tokens_per_second():
+    exp = experiment(model={"name": "gpt", "n_layer": 1, "d_model": 32, "seq_len": 16})
+    r = run_trial(exp, BatchConfig(4, 1, 2))
+    assert r.tokens_per_s == pytest.approx(r.samples_per_s * 16)
+
+
+def test_eval_throughput_is_measured_when_asked():
+    r = run_trial(experiment(trial={"eval": True}), BatchConfig(16, 1, 8))
+    assert r.eval_samples_per_s > 0
+    assert run_trial(experiment(), BatchConfig(16, 1, 8)).eval_samples_per_s is None
+
+
+def test_batch_mixing_models_are_measured_at_the_full_per_device_batch():
+    exp = experiment(model={"name": "cnn_bn", "image_size": 8, "width": 4})
+    r = run_trial(exp, BatchConfig(8, 1, 2))
+    assert r.status == "ok"
+    assert (r.micro_batch_size, r.grad_accum_steps) == (8, 1)
+    assert "BatchNorm" in r.note and "measured at micro_batch_size 8" in r.note
+
+
+def test_compiled_trial_reports_compile_time_apart():
+    r = run_trial(experiment(trial={"compile": True}), BatchConfig(8, 1, 4))
+    assert r.status == "ok", r.reason
+    assert r.compile_s > 0
+    assert r.compile_s * 1e3 > max(r.step_times_ms)  # compile time is not in the steps
+    assert r.compile_fallback is None
+
+
+def test_fallback_to_eager_is_detected(monkeypatch):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    exp = experiment(batch_size=7, trial={"compile": True}, allow_uneven=True)
+    r = run_trial(exp, BatchConfig(7, 1, 3))  # micro-batches 3 + 2 + 2: two shapes
+    torch._dynamo.reset()
+    assert r.status == "ok", r.reason
+    assert "recompile_limit (1)" in r.compile_fallback
+    assert "trial.dynamic: true" in r.compile_fallback
+
+
+# -- out of memory and failures ----------------------------------------------------
+
+OOM_MODEL = """
+import torch
+import torch.nn as nn
+
+class Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+    def forward(self, x):
+        if x.shape[0] > LIMIT:
+            raise RuntimeError("wrapped") from torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.lin(x)
+
+def build():
+    return (Fragile(), lambda n, device: (torch.randn(n, 4, device=device),),
+            lambda m, b: m(b[0]).pow(2).mean())
+"""
+
+
+def test_cuda_oom_is_a_result_and_halving_records_every_size(tmp_path, monkeypatch):
+    name = user_module(tmp_path, monkeypatch, "fragile", OOM_MODEL.replace("LIMIT", "4"))
+    exp = experiment(model=name, batch_size=16)
+    r = run_trial(exp, BatchConfig(16, 1, 16))
+    assert r.status == "oom" and "CUDA out of memory" in r.reason
+    halving = experiment(model=name, batch_size=16, trial={"on_oom": "halve"})
+    r = run_trial(halving, BatchConfig(16, 1, 16))
+    assert r.status == "ok"
+    assert r.micro_batch_sizes_tried == (16, 8, 4)
+    assert (r.micro_batch_size, r.grad_accum_steps) == (4, 4)
+
+
+def test_memory_budget_turns_a_cpu_trial_into_oom():
+    exp = experiment(trial={"device_memory": "1MB", "on_oom": "halve"})
+    r = run_trial(exp, BatchConfig(16, 1, 8))
+    assert r.status == "oom" and "above the budget trial.device_memory 1 MiB" in r.reason
+    assert r.micro_batch_sizes_tried == (8, 4, 2, 1)
+    assert r.samples_per_s is not None  # measured, then judged against the budget
+
+
+def test_errors_inside_a_trial_are_recorded(tmp_path, monkeypatch):
+    body = OOM_MODEL.replace("LIMIT", "1").replace(
+        'raise RuntimeError("wrapped") from torch.OutOfMemoryError(\n'
+        '                "CUDA out of memory. Tried to allocate 2.00 GiB")',
+        'raise ValueError("bad shape")',
+    )
+    name = user_module(tmp_path, monkeypatch, "broken", body)
+    r = run_trial(experiment(model=name), BatchConfig(16, 1, 8))
+    assert r.status == "error" and r.reason.startswith("ValueError: bad shape")
+
+
+def test_a_trial_past_its_timeout_is_stopped(tmp_path, monkeypatch):
+    body = OOM_MODEL.replace("LIMIT", "0").replace(
+        'raise RuntimeError("wrapped") from torch.OutOfMemoryError(\n'
+        '                "CUDA out of memory. Tried to allocate 2.00 GiB")',
+        "import time; time.sleep(60)",
+    )
+    name = user_module(tmp_path, monkeypatch, "slow", body)
+    r = run_trial(experiment(model=name, trial={"timeout_s": 1}), BatchConfig(16, 1, 8))
+    assert r.status == "timeout" and "trial.timeout_s = 1 s" in r.reason
+    assert r.wall_s < 10
+
+
+def test_cuda_asked_for_where_there_is_none():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(MbtuneError, match=r"^trial\.device: cuda was asked for, but torch .* "
+                       r"sees no CUDA device; use device: cpu or auto"):  # fmt: skip
+        run_trial(experiment(trial={"device": "cuda"}), BatchConfig(16, 1, 8))
+
+
+# -- replay ------------------------------------------------------------------------
+
+TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,peak_memory_bytes,status
+16,1,4,100.0,1000,ok
+16,1,8,200.0,5000000,ok
+16,1,16,,,oom
+16,2,4,150.0,,
+"""
+
+
+def replay(tmp_path, table=TABLE, **trial):
+    (tmp_path / "t.csv").write_text(table)
+    return experiment(trial={"backend": "replay", "table": str(tmp_path / "t.csv"), **trial})
+
+
+def test_replay_answers_from_the_table(tmp_path):
+    exp = replay(tmp_path)
+    r = run_trial(exp, BatchConfig(16, 1, 8))
+    assert (r.status, r.backend, r.samples_per_s, r.peak_memory_bytes) == (
+        "ok", "replay", 200.0, 5000000
+    )  # fmt: skip
+    assert r.step_times_ms == (80.0, 80.0, 80.0)
+    assert run_trial(exp, BatchConfig(16, 1, 16)).status == "oom"
+    assert run_trial(exp, BatchConfig(16, 2, 4)).samples_per_s == 150.0
+
+
+def test_replay_noise_is_seeded_and_relative(tmp_path):
+    exp = replay(tmp_path, noise=0.03, measure_steps=50)
+    a = run_trial(exp, BatchConfig(16, 1, 4))
+    b = run_trial(exp, BatchConfig(16, 1, 4))
+    assert a.step_times_ms == b.step_times_ms
+    spread = statistics.stdev(a.step_times_ms) / statistics.mean(a.step_times_ms)
+    assert 0.015 < spread < 0.05
+
+
+def test_replay_honours_the_memory_budget(tmp_path):
+    exp = replay(tmp_path, device_memory="1MB")
+    assert run_trial(exp, BatchConfig(16, 1, 8)).status == "oom"
+    assert run_trial(exp, BatchConfig(16, 1, 4)).status == "ok"
+
+
+def test_replay_refuses_what_it_cannot_answer(tmp_path):
+    with pytest.raises(MbtuneError, match=r"has no row for batch_size 16, num_devices 2, "
+                       r"micro_batch_size 8"):  # fmt: skip
+        run_trial(replay(tmp_path), BatchConfig(16, 2, 8))
+    bad = tmp_path / "bad.csv"
+    bad.write_text("batch_size,num_devices,samples_per_s\n16,1,3\n")
+    with pytest.raises(MbtuneError, match=r"lacks the column\(s\) micro_batch_size; it needs "
+                       r"batch_size, num_devices, micro_batch_size, samples_per_s"):  # fmt: skip
+        ReplayTable(bad)
+    bad.write_text("batch_size,num_devices,micro_batch_size,samples_per_s\n16,1,x,3\n")
+    with pytest.raises(MbtuneError, match=r"bad\.csv line 2: ValueError"):
+        ReplayTable(bad)
+    bad.write_text("batch_size,num_devices,micro_batch_size,samples_per_s,status\n16,1,4,,ok\n")
+    with pytest.raises(MbtuneError, match=r"an ok row needs a positive samples_per_s"):
+        ReplayTable(bad)
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+def write_experiment(tmp_path, exp_raw):
+    import yaml
+
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump(exp_raw))
+    return str(path)
+
+
+BASE = {
+    "name": "t",
+    "model": {"name": "mlp", "in_features": 8, "hidden": 8, "n_layer": 1},
+    "train_input": {"batch_size": 16, "micro_batch_size": 4},
+    "trial": {"compile": False, "warmup_steps": 0, "measure_steps": 2},
+}
+
+
+def test_trial_command_prints_json(tmp_path, capsys):
+    path = write_experiment(tmp_path, BASE)
+    code = main(["trial", path, "--num-devices", "2", "--micro-batch-size", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (data["batch_size"], data["num_devices"], data["micro_batch_size"]) == (16, 2, 2)
+    assert data["grad_accum_steps"] == 4 and len(data["step_times_ms"]) == 2
+    for key in ("samples_per_s", "step_time_ms_median", "step_time_ms_iqr", "compile_s",
+                "peak_memory_bytes", "status", "tokens_per_s", "comm_time_ms"):  # fmt: skip
+        assert key in data
+
+
+def test_trial_command_prints_a_readable_result(tmp_path, capsys):
+    code = main(["trial", write_experiment(tmp_path, BASE)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("batch_size 16, num_devices 1, micro_batch_size 4: per device 16 "
+                          "samples as 4 x 4 (4 micro-batches) on cpu")  # fmt: skip
+    assert "  status       ok" in out and "samples/s" in out
+
+
+BAD_TRIALS = {
+    "model does not import": (
+        {**BASE, "model": {"name": "no_such_pkg.mod:build"}}, [],
+        r"model\.name: cannot import 'no_such_pkg\.mod'",
+    ),
+    "function returns the wrong things": (
+        {**BASE, "model": {"name": "wrong_return:build"}}, [],
+        r"model\.name: 'wrong_return:build' returned a int, not a 3-tuple",
+    ),
+    "replay table lacks columns": (
+        {**BASE, "trial": {"backend": "replay", "table": "bad.csv"}}, [],
+        r"trial\.table: .*bad\.csv lacks the column\(s\) samples_per_s",
+    ),
+    "micro-batch does not divide": (
+        BASE, ["--micro-batch-size", "3"],
+        r"micro_batch_size 3 does not divide the per-device batch 16 .* \(or set "
+        r"train_input\.allow_uneven: true\)",
+    ),
+    "micro-batch too large": (BASE, ["--micro-batch-size", "32"], r"--micro-batch-size: 32 "
+                              r"exceeds the per-device batch 16"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRIALS))
+def test_trial_bad_input_exits_2(tmp_path, capsys, monkeypatch, case):
+    raw, argv, message = BAD_TRIALS[case]
+    (tmp_path / "wrong_return.py").write_text("def build():\n    return 3\n")
+    (tmp_path / "bad.csv").write_text("batch_size,num_devices,micro_batch_size\n16,1,4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["trial", write_experiment(tmp_path, raw), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(message, err), err
