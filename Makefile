@@ -25,6 +25,7 @@ setup: $(BIN)/mbtune
 demo: setup
 	$(BIN)/mbtune validate experiments/quickstart.yaml
 	$(BIN)/mbtune space experiments/quickstart.yaml
+	$(BIN)/mbtune trial experiments/quickstart.yaml --num-devices 2 --micro-batch-size 8
 
 test: setup
 	$(BIN)/python -m pytest

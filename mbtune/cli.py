@@ -108,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment, args.overrides)
+    if not exp.model.is_builtin:
+        from mbtune.models import build_model
+
+        build_model(exp.model.name, exp.model.options)  # imports it and checks the contract
     print(f"{args.experiment}: valid")
     for label, text in summary_lines(exp):
         print(f"  {label:<12} {text}")

@@ -131,6 +131,16 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, case, command):
     assert re.search(message, err), err
 
 
+def test_validate_imports_a_user_model_and_checks_its_contract(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run(capsys, "validate", ROOT / "experiments" / "user_model.yaml")
+    assert code == 0 and "experiments.user_model:build" in out
+    path = write(tmp_path, {**base(), "model": {"name": "nowhere.to_be:found"}})
+    code, out, err = run(capsys, "validate", path)
+    assert code == 2 and out == ""
+    assert err.startswith("mbtune: error: model.name: cannot import 'nowhere.to_be'")
+
+
 def test_missing_file_and_bad_override(capsys, tmp_path):
     code, _, err = run(capsys, "validate", tmp_path / "missing.yaml")
     missing = tmp_path / "missing.yaml"
