@@ -87,6 +87,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trial.add_argument("--json", action="store_true", help="print one JSON object")
     trial.set_defaults(handler=_trial)
+
+    run = commands.add_parser(
+        "run",
+        parents=[experiment],
+        help="search the experiment's space with Ray Tune and Optuna",
+        description="Search the valid configurations of the experiment: Optuna proposes, "
+        "Ray Tune runs each trial in a process of its own, and every finished trial is "
+        "appended to trials.csv in a new run directory under output_dir.",
+    )
+    run.add_argument(
+        "--address",
+        metavar="ADDRESS",
+        help="join an existing Ray cluster ('auto' or ray://host:port) instead of starting "
+        "an embedded one",
+    )
+    run.add_argument(
+        "--dashboard",
+        action="store_true",
+        default=None,
+        help="start the Ray dashboard on 127.0.0.1 and print its URL",
+    )
+    run.add_argument("--verbose", action="store_true", help="show Ray's own log output")
+    run.set_defaults(handler=_run)
     return parser
 
 
@@ -221,6 +244,18 @@ def _space(args: argparse.Namespace) -> int:
             f"(mode {exp.train_input.micro_batch_size}, space '{exp.search.space.source}')"
         )
     return 0
+
+
+# ---------------------------------------------------------------------------
+# run
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mbtune.search import run_search
+
+    exp = load_experiment(args.experiment, args.overrides)
+    outcome = run_search(exp, address=args.address, dashboard=args.dashboard, verbose=args.verbose)
+    return 0 if outcome.best() else 1
 
 
 # ---------------------------------------------------------------------------

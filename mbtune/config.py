@@ -536,7 +536,7 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
     memory = sec.get("device_memory", default=None)
     return TrialConfig(
         backend=sec.choice("backend", BACKENDS, default="torch"),
-        table=(base / table) if table is not None else None,
+        table=(base / table).resolve() if table is not None else None,
         noise=sec.float("noise", default=0.0, minimum=0.0, maximum=1.0),
         device=sec.choice("device", DEVICES, default="auto"),
         parallel=sec.choice("parallel", PARALLEL, default="simulate"),

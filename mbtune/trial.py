@@ -535,7 +535,50 @@ class _TrialTimeout(BaseException):
     """Raised by the alarm; a BaseException so that the trial's own handlers let it pass."""
 
 
+def objective(exp: Experiment, result: TrialResult) -> float:
+    """The value the search maximises: the experiment's objective, 0 unless ok."""
+    if result.status != "ok" or result.samples_per_s is None:
+        return 0.0
+    if exp.search.objective == "samples_per_s_per_device":
+        return result.samples_per_s / result.num_devices
+    return result.samples_per_s
+
+
+def _worker_main() -> int:
+    """``python -m mbtune.trial``: one trial in a process of its own, for the search.
+
+    Reads {"experiment": ..., "config": ...} as JSON on stdin and prints the result (with
+    the objective) as one JSON line on stdout.
+    """
+    import json
+    import sys
+
+    from mbtune.config import parse_experiment
+
+    request = json.loads(sys.stdin.read())
+    exp = parse_experiment(request["experiment"])
+    c = request["config"]
+    config = BatchConfig(c["batch_size"], c["num_devices"], c["micro_batch_size"])
+    try:
+        result = run_trial(exp, config)
+    except MbtuneError as e:
+        result = dataclasses.replace(
+            _base_result(exp, config, device=exp.trial.device, note=None), reason=str(e)
+        )
+    metrics = result.as_dict()
+    metrics["objective"] = objective(exp, result)
+    metrics["mixes_batch"] = result.micro_batch_size != config.micro_batch_size and bool(
+        result.note
+    )
+    print(json.dumps(metrics))
+    return 0
+
+
 def _one_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())

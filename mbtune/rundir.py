@@ -1,0 +1,116 @@
+"""The run directory: everything a search writes, as it goes, so nothing is ever lost.
+
+NAME-YYYYmmdd-HHMMSS/
+    experiment.yaml   the resolved experiment
+    trials.csv        one row per finished trial, appended and flushed at once
+    summary.json      the final summary (written atomically)
+    optuna.db         the Optuna study (open it with optuna-dashboard)
+    ray/              Ray Tune's own experiment state
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mbtune.errors import MbtuneError
+
+__all__ = ["TRIAL_COLUMNS", "RunDir"]
+
+TRIAL_COLUMNS = (
+    "trial", "status", "batch_size", "num_devices", "micro_batch_size", "per_device_batch",
+    "grad_accum_steps", "pipeline_stages", "samples_per_s", "samples_per_s_per_device",
+    "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms",
+    "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s",
+    "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note",
+    "finished_at",
+)  # fmt: skip
+"""The columns of trials.csv (times in ms unless named _s; memory in bytes)."""
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, output_dir: Path, name: str) -> RunDir:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path(output_dir) / f"{name}-{stamp}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = Path(output_dir) / f"{name}-{stamp}-{suffix}"
+        path.mkdir(parents=True)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: Path) -> RunDir:
+        run = cls(path)
+        if not (run.path / "experiment.yaml").is_file():
+            raise MbtuneError(
+                f"--resume: {path} is not an mbtune run directory (it has no experiment.yaml)"
+            )
+        return run
+
+    @property
+    def experiment_file(self) -> Path:
+        return self.path / "experiment.yaml"
+
+    @property
+    def trials_file(self) -> Path:
+        return self.path / "trials.csv"
+
+    @property
+    def ray_dir(self) -> Path:
+        return self.path / "ray"
+
+    @property
+    def optuna_url(self) -> str:
+        return f"sqlite:///{(self.path / 'optuna.db').resolve()}"
+
+    def write_experiment(self, resolved: Mapping[str, Any]) -> None:
+        _atomic_write(self.experiment_file, yaml.safe_dump(dict(resolved), sort_keys=False))
+
+    def append_trial(self, row: Mapping[str, Any]) -> None:
+        """Append one finished trial and flush it to disk before returning."""
+        new = not self.trials_file.exists()
+        with self.trials_file.open("a", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow({k: _cell(v) for k, v in row.items()})
+            f.flush()
+            os.fsync(f.fileno())
+
+    def trials(self) -> list[dict[str, str]]:
+        """Every finished trial so far (also from a run that was interrupted or killed)."""
+        if not self.trials_file.exists():
+            return []
+        with self.trials_file.open(newline="", encoding="utf-8") as f:
+            return [row for row in csv.DictReader(f) if row.get("trial")]
+
+    def write_json(self, name: str, data: Any) -> None:
+        _atomic_write(self.path / name, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value)
+    return "" if value is None else value
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary file and rename it: a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

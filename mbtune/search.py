@@ -1,0 +1,260 @@
+"""The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed by Optuna.
+
+Each trial runs in a process of its own (``python -m mbtune.trial``), started by the Ray
+trial actor, so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial
+cannot touch another: the actor records what happened and the search goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from mbtune.config import Experiment
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+from mbtune.rundir import RunDir
+
+__all__ = ["SearchOutcome", "run_search", "search_points"]
+
+log = logging.getLogger("mbtune")
+
+
+def search_points(exp: Experiment) -> list[BatchConfig]:
+    """The distinct measurements of the experiment's space (canonical micro-batch sizes)."""
+    return sorted({c.canonical() for c in exp.configs()})
+
+
+class SearchOutcome:
+    def __init__(self, run: RunDir, rows: list[dict[str, str]]) -> None:
+        self.run = run
+        self.rows = rows
+
+    def best(self, k: int = 5) -> list[dict[str, str]]:
+        ok = [r for r in self.rows if r["status"] == "ok" and r["objective"]]
+        return sorted(ok, key=lambda r: -float(r["objective"]))[:k]
+
+
+def run_search(
+    exp: Experiment,
+    *,
+    address: str | None = None,
+    dashboard: bool | None = None,
+    verbose: bool = False,
+    echo: Any = print,
+) -> SearchOutcome:
+    """Search ``exp``'s space and return what was measured; writes a run directory."""
+    import ray
+    from ray import tune
+
+    from mbtune.searchers import make_searcher
+
+    points = search_points(exp)
+    run = RunDir.create(exp.output_dir, exp.name)
+    run.write_experiment(exp.to_dict())
+    address = address if address is not None else exp.ray.address
+    dashboard = dashboard if dashboard is not None else exp.ray.dashboard
+    _init_ray(address, dashboard, verbose, echo)
+    if dashboard and not address:
+        echo(f"mbtune dashboard: http://{ray.get_runtime_context().dashboard_url}")
+
+    s = exp.search
+    searcher = make_searcher(s.sampler, points, seed=s.seed, storage=_optuna_storage(run))
+    resources = {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial}
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
+        ),
+        resources,
+    )
+    echo(
+        f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
+        f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
+    )
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=searcher,
+            num_samples=s.num_samples,
+            max_concurrent_trials=exp.ray.max_concurrent_trials,
+            time_budget_s=s.time_budget_s,
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name="ray",
+            storage_path=str(run.path.resolve()),
+            verbose=1 if verbose else 0,
+            callbacks=[_TrialLog(run, exp, echo)],
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+    tuner.fit()
+    outcome = SearchOutcome(run, run.trials())
+    _print_best(outcome, echo)
+    return outcome
+
+
+def _optuna_storage(run: RunDir) -> Any:
+    import optuna
+
+    return optuna.storages.RDBStorage(run.optuna_url)
+
+
+def _init_ray(address: str | None, dashboard: bool, verbose: bool, echo: Any) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = address or "an embedded local Ray"
+        raise MbtuneError(f"--address: cannot start or reach {where}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------
+# one trial, inside a Ray actor
+
+
+def _trainable(
+    config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
+) -> None:
+    """Run one trial in a fresh process and report what it measured to Tune."""
+    from ray import tune
+
+    batch = BatchConfig(config["batch_size"], config["num_devices"], config["micro_batch_size"])
+    tune.report(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s))
+
+
+def measure_in_subprocess(
+    experiment: dict[str, Any], config: BatchConfig, *, cwd: str, timeout_s: float
+) -> dict[str, Any]:
+    """Measure ``config`` in a child process; a crash, a kill or a hang is a result too."""
+    payload = json.dumps({"experiment": experiment, "config": config.as_dict()})
+    started = time.perf_counter()
+    base = {**config.as_dict(), "objective": 0.0, "reason": None}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mbtune.trial"],
+            input=payload,
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            timeout=timeout_s + 60,  # the child stops itself at timeout_s; this is a backstop
+        )
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout", "reason": f"killed after {timeout_s + 60:g} s",
+                "wall_s": time.perf_counter() - started}  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    if proc.returncode == -9:
+        reason = "the trial process was killed (SIGKILL: the kernel's out-of-memory killer?)"
+    elif proc.returncode < 0:
+        reason = f"the trial process was killed by signal {-proc.returncode}"
+    else:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        reason = tail[-1] if tail else f"the trial process exited with {proc.returncode}"
+    return {**base, "status": "error", "reason": reason,
+            "wall_s": time.perf_counter() - started}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# what the user sees
+
+
+def _make_callback_class() -> type:
+    from ray.tune import Callback
+
+    class TrialLog(Callback):
+        """Appends every finished trial to trials.csv (flushed) and prints one line."""
+
+        def __init__(self, run: RunDir, exp: Experiment, echo: Any) -> None:
+            self.run, self.exp, self.echo = run, exp, echo
+            self.results: dict[str, dict[str, Any]] = {}
+            self.count = 0
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            self.results[trial.trial_id] = result
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._finish(trial, self.results.pop(trial.trial_id, None))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
+
+        def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
+            self.count += 1
+            cfg = trial.config
+            row: dict[str, Any] = {
+                "batch_size": cfg.get("batch_size"),
+                "num_devices": cfg.get("num_devices"),
+                "micro_batch_size": cfg.get("micro_batch_size"),
+                "status": "error",
+                "reason": "the trial actor failed" if crashed else "no result",
+            }
+            row.update({k: v for k, v in (result or {}).items() if k in _ROW_KEYS})
+            row["trial"] = self.count
+            row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            self.run.append_trial(row)
+            self.echo(_trial_line(row))
+
+    return TrialLog
+
+
+_ROW_KEYS = {
+    "status", "batch_size", "num_devices", "micro_batch_size", "per_device_batch",
+    "grad_accum_steps", "pipeline_stages", "samples_per_s", "samples_per_s_per_device",
+    "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms",
+    "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s",
+    "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note",
+}  # fmt: skip
+
+
+def _TrialLog(run: RunDir, exp: Experiment, echo: Any) -> Any:  # noqa: N802
+    return _make_callback_class()(run, exp, echo)
+
+
+def _trial_line(row: dict[str, Any]) -> str:
+    speed = row.get("samples_per_s")
+    figure = f"{float(speed):,.1f} samples/s" if speed not in (None, "") else "-"
+    status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
+    return (
+        f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  num_devices "
+        f"{row['num_devices']}, batch_size {row['batch_size']}, micro_batch_size "
+        f"{row['micro_batch_size']}: {figure}  {status}"
+    )
+
+
+def _print_best(outcome: SearchOutcome, echo: Any) -> None:
+    best = outcome.best()
+    rows = outcome.rows
+    failed = sum(r["status"] != "ok" for r in rows)
+    echo(f"mbtune: {len(rows)} trials finished ({failed} not ok); results in {outcome.run.path}")
+    if not best:
+        echo("mbtune: no configuration ran successfully")
+        return
+    echo("best configurations:")
+    echo(f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}  "
+         f"{'grad_accum':>10}  {'samples/s':>10}")  # fmt: skip
+    for i, r in enumerate(best, start=1):
+        echo(
+            f"  {i:>4}  {r['num_devices']:>11}  {r['batch_size']:>10}  "
+            f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
+            f"{float(r['samples_per_s']):>10,.1f}"
+        )

@@ -1,0 +1,318 @@
+"""Who proposes the next configuration: Optuna over the lattice, or a baseline.
+
+Every proposal is a point of the experiment's lattice, valid by construction:
+
+- Optuna (``tpe``, ``gp``, ``random``) runs inside Ray Tune's ``OptunaSearch`` with a
+  define-by-run space whose parameters are *indices* into fixed, sorted lists: one list of
+  device counts, one list of batch sizes per device count, one list of micro-batch sizes
+  per (devices, batch). Each parameter name always has the same range (Optuna forbids
+  dynamic ones) and its order (small to large) is something TPE and GP can exploit.
+- ``grid`` measures every distinct configuration once, in order.
+- ``halving`` (Composer) starts at m = P and halves on out-of-memory; ``doubling``
+  (Lightning, Ludwig) starts small and doubles until the next size no longer fits or is
+  no faster.
+
+:class:`DedupSearcher` wraps any of them so that the same measurement is never made
+twice: a proposal whose canonical configuration (the micro-batches it really runs) was
+measured already is answered from the cache and the proposer asked again.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from ray.tune.search import Searcher
+
+from mbtune.lattice import BatchConfig
+
+__all__ = [
+    "METRIC",
+    "DedupSearcher",
+    "DoublingSearcher",
+    "GridSearcher",
+    "HalvingSearcher",
+    "OptunaSpace",
+    "make_searcher",
+]
+
+METRIC = "objective"
+"""The value every searcher maximises: the experiment's objective, 0 for a failed trial."""
+
+MAX_REPEATS = 200
+"""Proposals in a row answered from the cache before the space counts as exhausted."""
+
+
+def to_config(config: dict[str, Any]) -> BatchConfig:
+    return BatchConfig(config["batch_size"], config["num_devices"], config["micro_batch_size"])
+
+
+def _as_params(c: BatchConfig) -> dict[str, int]:
+    return {
+        "batch_size": c.batch_size,
+        "num_devices": c.num_devices,
+        "micro_batch_size": c.micro_batch_size,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Optuna
+
+
+class OptunaSpace:
+    """A define-by-run space proposing only the given points (picklable, for resume)."""
+
+    def __init__(self, points: Sequence[BatchConfig]) -> None:
+        self.by_n: dict[int, list[int]] = defaultdict(list)
+        self.by_nb: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for c in sorted(set(points)):
+            if c.batch_size not in self.by_n[c.num_devices]:
+                self.by_n[c.num_devices].append(c.batch_size)
+            self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
+        self.ns = sorted(self.by_n)
+
+    def __call__(self, trial: Any) -> dict[str, int]:
+        n = _pick(trial, "num_devices_index", self.ns)
+        b = _pick(trial, f"batch_size_index_n{n}", self.by_n[n])
+        m = _pick(trial, f"micro_batch_size_index_n{n}_b{b}", self.by_nb[n, b])
+        return {"batch_size": b, "num_devices": n, "micro_batch_size": m}
+
+
+def _pick(trial: Any, name: str, values: list[int]) -> int:
+    """One of ``values`` (sorted), through an integer index Optuna can model."""
+    if len(values) == 1:
+        return values[0]
+    return values[trial.suggest_int(name, 0, len(values) - 1)]
+
+
+def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int, storage: Any):
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if sampler_name == "tpe":
+        # few startup trials: the lattice is small and every trial is expensive
+        with warnings.catch_warnings():  # multivariate TPE is "experimental" since 2.2
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=4, multivariate=True, group=True
+            )
+    elif sampler_name == "gp":
+        sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
+    else:
+        sampler = optuna.samplers.RandomSampler(seed=seed)
+    return OptunaSearch(
+        space=OptunaSpace(points),
+        metric=METRIC,
+        mode="max",
+        sampler=sampler,
+        storage=storage,
+        study_name="mbtune",
+    )
+
+
+# ---------------------------------------------------------------------------
+# baselines
+
+
+class _ListSearcher(Searcher):
+    """A searcher over a fixed list of points, told the value of each finished one."""
+
+    def __init__(self, points: Sequence[BatchConfig]) -> None:
+        super().__init__(metric=METRIC, mode="max")
+        self.points = sorted(set(points))
+        self.values: dict[BatchConfig, float] = {}
+        self.pending: dict[str, BatchConfig] = {}
+
+    def next_point(self) -> BatchConfig | str | None:
+        """The next point, None to wait for a result, or FINISHED."""
+        raise NotImplementedError
+
+    def suggest(self, trial_id: str) -> dict | str | None:
+        point = self.next_point()
+        if point is None or point == Searcher.FINISHED:
+            return point
+        self.pending[trial_id] = point  # type: ignore[assignment]
+        return _as_params(point)  # type: ignore[arg-type]
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        point = self.pending.pop(trial_id, None)
+        if point is not None:
+            self.values[point] = (result or {}).get(METRIC, 0.0) if not error else 0.0
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+class GridSearcher(_ListSearcher):
+    """Every point once, in order (devices, batch, micro-batch)."""
+
+    def next_point(self) -> BatchConfig | str | None:
+        seen = set(self.values) | set(self.pending.values())
+        for p in self.points:
+            if p not in seen:
+                return p
+        return Searcher.FINISHED
+
+
+class _LadderSearcher(_ListSearcher):
+    """One ladder of micro-batch sizes per (devices, batch), climbed one rung at a time."""
+
+    def ladders(self) -> list[list[BatchConfig]]:
+        by_nb: dict[tuple[int, int], list[BatchConfig]] = defaultdict(list)
+        for p in self.points:
+            by_nb[p.num_devices, p.batch_size].append(p)
+        return [by_nb[k] for k in sorted(by_nb)]
+
+    def next_point(self) -> BatchConfig | str | None:
+        if self.pending:
+            return None  # each rung depends on the last result
+        for ladder in self.ladders():
+            point = self.climb(ladder)
+            if point is not None:
+                return point
+        return Searcher.FINISHED
+
+    def climb(self, ladder: list[BatchConfig]) -> BatchConfig | None:
+        raise NotImplementedError
+
+
+class HalvingSearcher(_LadderSearcher):
+    """Composer: start at m = P; on out-of-memory halve; stop at the first that fits."""
+
+    def climb(self, ladder: list[BatchConfig]) -> BatchConfig | None:
+        target = ladder[-1].micro_batch_size  # the largest: P where P is in the space
+        while True:
+            candidates = [p for p in ladder if p.micro_batch_size <= target]
+            if not candidates:
+                return None
+            point = candidates[-1]
+            if point not in self.values:
+                return point
+            if self.values[point] > 0:  # it fits: this ladder is done
+                return None
+            target = point.micro_batch_size // 2
+
+
+class DoublingSearcher(_LadderSearcher):
+    """Lightning/Ludwig: start at the smallest m and double while it fits and gets faster."""
+
+    def climb(self, ladder: list[BatchConfig]) -> BatchConfig | None:
+        previous: float | None = None
+        target = ladder[0].micro_batch_size
+        while True:
+            candidates = [p for p in ladder if p.micro_batch_size >= target]
+            if not candidates:
+                return None
+            point = candidates[0]
+            if point not in self.values:
+                return point
+            value = self.values[point]
+            if value <= 0 or (previous is not None and value <= previous):
+                return None  # no longer fits, or no faster: stop climbing
+            previous = value
+            target = point.micro_batch_size * 2
+
+
+# ---------------------------------------------------------------------------
+# no measurement twice
+
+
+class DedupSearcher(Searcher):
+    """Wraps a searcher; never hands out a configuration already measured or running.
+
+    A repeated proposal is answered at once from the cache (the inner searcher is told
+    the measured value) and the inner searcher asked again. Once every distinct point has
+    been measured, or the inner searcher keeps repeating itself, the search is finished.
+    """
+
+    def __init__(self, inner: Searcher, points: Sequence[BatchConfig]) -> None:
+        super().__init__(metric=METRIC, mode="max")
+        self.inner = inner
+        self.points = {p.canonical() for p in points}
+        self.measured: dict[BatchConfig, float] = {}
+        self.running: dict[str, tuple[BatchConfig, str]] = {}
+        self.full_batch_only = False
+        """Set once a trial reports that the model mixes the batch: then m = P only."""
+        self._asked = 0
+
+    def key(self, config: BatchConfig) -> BatchConfig:
+        if self.full_batch_only:
+            config = BatchConfig(config.batch_size, config.num_devices, config.per_device_batch)
+        return config.canonical()
+
+    def suggest(self, trial_id: str) -> dict | str | None:
+        for _ in range(MAX_REPEATS):
+            if self._remaining() == 0:
+                return Searcher.FINISHED
+            self._asked += 1
+            inner_id = f"{trial_id}-{self._asked}"
+            params = self.inner.suggest(inner_id)
+            if params is None or params == Searcher.FINISHED:
+                return params
+            point = self.key(to_config(params))
+            if point in self.measured:
+                self.inner.on_trial_complete(inner_id, {METRIC: self.measured[point]})
+                continue
+            if point in {p for p, _ in self.running.values()}:
+                self.inner.on_trial_complete(inner_id, None, error=True)
+                continue
+            self.running[trial_id] = (point, inner_id)
+            return {**params, **_as_params(point)}
+        return Searcher.FINISHED
+
+    def _remaining(self) -> int:
+        measured = set(self.measured) | {p for p, _ in self.running.values()}
+        return len({self.key(p) for p in self.points} - measured)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        point, inner_id = self.running.pop(trial_id, (None, None))
+        if point is None:
+            return
+        value = 0.0 if error or not result else float(result.get(METRIC) or 0.0)
+        if result and result.get("mixes_batch"):
+            self.full_batch_only = True
+        self.measured[point] = value
+        if result and "micro_batch_size" in result:  # what really ran (e.g. after halving)
+            self.measured[self.key(to_config(result))] = value
+        self.inner.on_trial_complete(inner_id, {METRIC: value})
+
+    def add_measured(self, config: BatchConfig, value: float) -> None:
+        """A point measured before this search (warm start, resume): never measure it again."""
+        self.measured[self.key(config)] = value
+
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec):
+        return True
+
+    def save(self, checkpoint_path: str) -> None:
+        inner_path = checkpoint_path + ".inner"
+        self.inner.save(inner_path)
+        state = {k: v for k, v in self.__dict__.items() if k != "inner"}
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(state, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        self.inner.restore(checkpoint_path + ".inner")
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+def make_searcher(
+    sampler: str, points: Sequence[BatchConfig], *, seed: int, storage: Any = None
+) -> DedupSearcher:
+    """The searcher for ``search.sampler``, wrapped so nothing is measured twice."""
+    baselines = {"grid": GridSearcher, "halving": HalvingSearcher, "doubling": DoublingSearcher}
+    canonical = sorted({p.canonical() for p in points})
+    if sampler in baselines:
+        inner: Searcher = baselines[sampler](canonical)
+    else:
+        inner = _optuna_searcher(sampler, canonical, seed, storage)
+    return DedupSearcher(inner, canonical)
