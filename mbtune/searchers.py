@@ -93,6 +93,9 @@ def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int
     from ray.tune.search.optuna import OptunaSearch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # the GP sampler fits its model inside ask(), which Ray mistakes for work done in the
+    # define-by-run space; the space itself only picks indices
+    warnings.filterwarnings("ignore", message="Define-by-run function passed in the `space`")
     if sampler_name == "tpe":
         # few startup trials: the lattice is small and every trial is expensive
         with warnings.catch_warnings():  # multivariate TPE is "experimental" since 2.2

@@ -1,0 +1,116 @@
+"""The search end to end on an embedded Ray, and the per-trial process it runs."""
+
+import csv
+import textwrap
+
+import pytest
+
+from mbtune.config import parse_experiment
+from mbtune.lattice import BatchConfig
+from mbtune.search import measure_in_subprocess, run_search
+
+TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,status
+32,1,1,100,ok
+32,1,2,180,ok
+32,1,4,300,ok
+32,1,8,320,ok
+32,1,16,310,ok
+32,1,32,,oom
+32,2,1,190,ok
+32,2,2,350,ok
+32,2,4,590,ok
+32,2,8,630,ok
+32,2,16,,oom
+"""
+
+
+def replay_experiment(tmp_path, **search):
+    (tmp_path / "t.csv").write_text(TABLE)
+    return parse_experiment(
+        {
+            "name": "e2e",
+            "model": "mlp",
+            "train_input": {"batch_size": 32, "micro_batch_size": "auto"},
+            "search": {"space": {"num_devices": [1, 2]}, **search},
+            "trial": {"backend": "replay", "table": str(tmp_path / "t.csv")},
+            "output_dir": str(tmp_path / "runs"),
+        }
+    )
+
+
+@pytest.mark.ray
+def test_a_grid_search_measures_every_configuration_once(ray_session, tmp_path):
+    lines = []
+    outcome = run_search(replay_experiment(tmp_path, sampler="grid"), echo=lines.append)
+    run = outcome.run
+    assert (run.path / "experiment.yaml").is_file() and (run.path / "optuna.db").is_file()
+    assert (run.path / "ray").is_dir()
+    with run.trials_file.open() as f:
+        rows = list(csv.DictReader(f))
+    measured = [(int(r["num_devices"]), int(r["micro_batch_size"])) for r in rows]
+    assert sorted(measured) == [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32),
+                                (2, 1), (2, 2), (2, 4), (2, 8), (2, 16)]  # fmt: skip
+    assert sum(r["status"] == "oom" for r in rows) == 2
+    best = outcome.best(1)[0]
+    assert (best["num_devices"], best["micro_batch_size"], float(best["samples_per_s"])) == (
+        "2", "8", 630.0
+    )  # fmt: skip
+    assert sum(line.startswith("mbtune ") and " trial " in line for line in lines) == 11
+    assert any("best configurations:" in line for line in lines)
+
+
+@pytest.mark.ray
+def test_tpe_search_respects_num_samples_and_objective(ray_session, tmp_path):
+    exp = replay_experiment(
+        tmp_path, sampler="tpe", num_samples=5, objective="samples_per_s_per_device"
+    )
+    outcome = run_search(exp, echo=lambda line: None)
+    rows = outcome.rows
+    assert len(rows) == 5
+    assert len({(r["num_devices"], r["micro_batch_size"]) for r in rows}) == 5
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["objective"]) == pytest.approx(
+                float(r["samples_per_s"]) / int(r["num_devices"])
+            )
+
+
+CRASHING = """
+import os, signal, torch, torch.nn as nn
+def build(how="kill"):
+    def loss(module, batch):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(3)
+    return nn.Linear(2, 1), lambda n, device: (torch.randn(n, 2, device=device),), loss
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("kill", "the trial process was killed (SIGKILL"), ("exit", "exited with 3")],
+)
+def test_a_trial_process_that_dies_is_a_recorded_error(tmp_path, how, reason):
+    (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING))
+    exp = parse_experiment(
+        {
+            "name": "x",
+            "model": {"name": "crashing:build", "how": how},
+            "train_input": {"batch_size": 4, "micro_batch_size": 2},
+            "trial": {"compile": False},
+        }
+    )
+    result = measure_in_subprocess(
+        exp.to_dict(), BatchConfig(4, 1, 2), cwd=str(tmp_path), timeout_s=30
+    )
+    assert result["status"] == "error" and reason in result["reason"]
+    assert result["objective"] == 0.0 and result["micro_batch_size"] == 2
+
+
+def test_the_trial_process_reports_json(tmp_path):
+    exp = replay_experiment(tmp_path)
+    result = measure_in_subprocess(
+        exp.to_dict(), BatchConfig(32, 2, 8), cwd=str(tmp_path), timeout_s=30
+    )
+    assert result["status"] == "ok" and result["samples_per_s"] == 630.0
+    assert result["objective"] == 630.0

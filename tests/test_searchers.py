@@ -1,0 +1,135 @@
+"""The searchers, driven directly (no Ray cluster): valid, never twice, exact sequences."""
+
+import pytest
+from ray.tune.search import Searcher
+
+from mbtune.lattice import BatchConfig, enumerate_configs
+from mbtune.searchers import (
+    METRIC,
+    DedupSearcher,
+    GridSearcher,
+    make_searcher,
+)
+
+
+def drive(searcher, value_of, limit=100):
+    """Suggest and complete one trial at a time; return the configurations measured."""
+    measured = []
+    for i in range(limit):
+        params = searcher.suggest(f"t{i}")
+        if params == Searcher.FINISHED:
+            return measured
+        assert params is not None
+        config = BatchConfig(
+            params["batch_size"], params["num_devices"], params["micro_batch_size"]
+        )
+        measured.append(config)
+        searcher.on_trial_complete(f"t{i}", {METRIC: value_of(config), **params})
+    raise AssertionError("the search never finished")
+
+
+POINTS = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+
+
+def speed(c):
+    """Faster with larger micro-batches, out of memory above 8 per device on 2 devices."""
+    if c.num_devices == 2 and c.micro_batch_size > 8:
+        return 0.0
+    return c.num_devices * c.micro_batch_size / (c.micro_batch_size + 4)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp", "random", "grid"])
+def test_every_sampler_proposes_each_valid_point_once_and_finishes(sampler):
+    searcher = make_searcher(sampler, POINTS, seed=0)
+    measured = drive(searcher, speed)
+    assert sorted(measured) == sorted(POINTS)  # all 11, none twice, then FINISHED
+
+
+def test_grid_goes_in_order():
+    assert drive(make_searcher("grid", POINTS, seed=0), speed) == sorted(POINTS)
+
+
+def test_halving_starts_at_p_and_halves_on_oom():
+    measured = drive(make_searcher("halving", POINTS, seed=0), speed)
+    sizes = [(c.num_devices, c.micro_batch_size) for c in measured]
+    assert sizes == [(1, 32), (2, 16), (2, 8)]
+
+
+def test_doubling_doubles_until_no_faster_or_out_of_memory():
+    def peaked(c):  # fastest at m = 4 on one device
+        return {1: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}.get(c.micro_batch_size, 1.0) * c.num_devices
+
+    measured = drive(make_searcher("doubling", POINTS, seed=0), peaked)
+    assert [(c.num_devices, c.micro_batch_size) for c in measured] == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (2, 8),
+    ]  # fmt: skip
+    measured = drive(make_searcher("doubling", POINTS, seed=0), speed)
+    assert [(c.num_devices, c.micro_batch_size) for c in measured][-2:] == [(2, 8), (2, 16)]
+
+
+def test_same_split_is_one_measurement_reported_with_the_canonical_size():
+    # explore: P = 8; m = 5, 6, 7 run two micro-batches of 4, the same as m = 4
+    points = enumerate_configs(mode="explore", batch_sizes=[8], num_devices=[1])
+    searcher = make_searcher("grid", points, seed=0)
+    measured = drive(searcher, lambda c: float(c.micro_batch_size))
+    assert [c.micro_batch_size for c in measured] == [1, 2, 3, 4, 8]
+
+
+class Repeating(GridSearcher):
+    """A proposer that keeps proposing the first point: the cache must answer it."""
+
+    def next_point(self):
+        return self.points[0]
+
+
+def test_repeated_proposals_are_answered_from_the_cache_and_the_search_ends():
+    inner = Repeating(POINTS)
+    searcher = DedupSearcher(inner, POINTS)
+    measured = drive(searcher, speed)
+    assert measured == [POINTS[0]]
+    assert inner.values[POINTS[0]] == speed(POINTS[0])  # the repeats were told the value
+
+
+def test_warm_start_points_are_never_measured_again():
+    searcher = make_searcher("grid", POINTS, seed=0)
+    for c in POINTS[:5]:
+        searcher.add_measured(c, speed(c))
+    assert drive(searcher, speed) == sorted(POINTS)[5:]
+
+
+def test_batch_mixing_collapses_the_space_to_m_equals_p():
+    searcher = make_searcher("grid", POINTS, seed=0)
+    measured = []
+    for i in range(20):
+        params = searcher.suggest(f"t{i}")
+        if params == Searcher.FINISHED:
+            break
+        n, b = params["num_devices"], params["batch_size"]
+        measured.append((n, params["micro_batch_size"]))
+        # the trial measured m = P instead and said why
+        searcher.on_trial_complete(
+            f"t{i}", {METRIC: 1.0, "mixes_batch": True, "batch_size": b, "num_devices": n,
+                      "micro_batch_size": b // n},
+        )  # fmt: skip
+    assert measured == [(1, 1), (2, 16)]  # then only m = P, reported as what runs
+
+
+def test_searcher_state_survives_save_and_restore(tmp_path):
+    searcher = make_searcher("tpe", POINTS, seed=0)
+    first = drive_some(searcher, 3)
+    path = str(tmp_path / "state.pkl")
+    searcher.save(path)
+    restored = make_searcher("tpe", POINTS, seed=0)
+    restored.restore(path)
+    rest = drive(restored, speed)
+    assert sorted(first + rest) == sorted(POINTS)
+
+
+def drive_some(searcher, k):
+    out = []
+    for i in range(k):
+        params = searcher.suggest(f"a{i}")
+        c = BatchConfig(params["batch_size"], params["num_devices"], params["micro_batch_size"])
+        searcher.on_trial_complete(f"a{i}", {METRIC: speed(c), **params})
+        out.append(c)
+    return out
