@@ -37,17 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    experiment = _Parser(add_help=False)
-    experiment.add_argument("experiment", metavar="EXPERIMENT.yaml", help="the experiment file")
-    experiment.add_argument(
-        "--set",
-        dest="overrides",
-        metavar="KEY.PATH=VALUE",
-        action="append",
-        default=[],
-        help="override one key of the experiment, e.g. --set train_input.batch_size=128 "
-        "(repeatable; the value is read as YAML)",
-    )
+    experiment = _experiment_arguments(_Parser(add_help=False))
+    optional_experiment = _experiment_arguments(_Parser(add_help=False), optional=True)
 
     validate = commands.add_parser(
         "validate",
@@ -90,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        parents=[experiment],
+        parents=[optional_experiment],
         help="search the experiment's space with Ray Tune and Optuna",
         description="Search the valid configurations of the experiment: Optuna proposes, "
         "Ray Tune runs each trial in a process of its own, and every finished trial is "
@@ -109,7 +100,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the Ray dashboard on 127.0.0.1 and print its URL",
     )
     run.add_argument("--verbose", action="store_true", help="show Ray's own log output")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue an interrupted search in RUN_DIR (no EXPERIMENT.yaml needed)",
+    )
+    run.add_argument(
+        "--warm-start",
+        metavar="RUN_DIR",
+        help="teach the sampler the results of an earlier run before it proposes",
+    )
     run.set_defaults(handler=_run)
+    return parser
+
+
+def _experiment_arguments(parser: argparse.ArgumentParser, optional: bool = False):
+    parser.add_argument(
+        "experiment",
+        metavar="EXPERIMENT.yaml",
+        nargs="?" if optional else None,
+        help="the experiment file",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY.PATH=VALUE",
+        action="append",
+        default=[],
+        help="override one key of the experiment, e.g. --set train_input.batch_size=128 "
+        "(repeatable; the value is read as YAML)",
+    )
     return parser
 
 

@@ -193,6 +193,8 @@ class SearchConfig:
     confidence_target: int = 90
     """Stop once the confidence score reaches this (1..99)."""
     seed: int = 0
+    start_points: tuple[BatchConfig, ...] = ()
+    """Configurations to measure first, before the sampler proposes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,8 +260,18 @@ class Experiment:
             raise ConfigError(
                 "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
             )
-        if not self.configs():
+        configs = self.configs()
+        if not configs:
             raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
+        space = set(configs)
+        for i, point in enumerate(self.search.start_points):
+            if point not in space:
+                raise ConfigError(
+                    f"search.start_points[{i}]",
+                    f"batch_size {point.batch_size}, num_devices {point.num_devices}, "
+                    f"micro_batch_size {point.micro_batch_size} is not in the search space; "
+                    "see `mbtune space` for the valid configurations",
+                )
 
     # -- the lattice this experiment searches ------------------------------
 
@@ -285,7 +297,19 @@ class Experiment:
                 "model": {"name": self.model.name, **self.model.options},
                 "train_input": dataclasses.asdict(self.train_input),
                 "search": {
-                    **{k: v for k, v in dataclasses.asdict(self.search).items() if k != "space"},
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(self.search).items()
+                        if k not in ("space", "start_points")
+                    },
+                    "start_points": [
+                        {
+                            "batch_size": p.batch_size,
+                            "num_devices": p.num_devices,
+                            "micro_batch_size": p.micro_batch_size,
+                        }
+                        for p in self.search.start_points
+                    ],  # fmt: skip
                     "space": {
                         k: v
                         for k, v in dataclasses.asdict(self.search.space).items()
@@ -488,7 +512,23 @@ def _parse_search(raw: Any, base: Path) -> SearchConfig:
         time_budget_s=sec.float("time_budget_s", default=None, minimum=0.0),
         confidence_target=sec.int("confidence_target", default=90, maximum=99),
         seed=sec.int("seed", default=0, minimum=0),
+        start_points=_parse_points(sec.get("start_points", default=[]), "search.start_points"),
     )
+
+
+def _parse_points(raw: Any, where: str) -> tuple[BatchConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(where, f"expected a list of configurations, got {_kind(raw)}")
+    points = []
+    for i, item in enumerate(raw):
+        sec = _Section(item, f"{where}[{i}]", ("batch_size", "num_devices", "micro_batch_size"))
+        b = sec.int("batch_size", required=True)
+        n = sec.int("num_devices", default=1)
+        m = sec.int("micro_batch_size", required=True)
+        if b < n:
+            raise ConfigError(f"{where}[{i}]", f"batch_size {b} is smaller than num_devices {n}")
+        points.append(BatchConfig(b, n, m))
+    return tuple(points)
 
 
 def _parse_space(raw: Any, base: Path) -> SpaceConfig:

@@ -25,12 +25,12 @@ from mbtune.errors import MbtuneError
 __all__ = ["TRIAL_COLUMNS", "RunDir"]
 
 TRIAL_COLUMNS = (
-    "trial", "status", "batch_size", "num_devices", "micro_batch_size", "per_device_batch",
-    "grad_accum_steps", "pipeline_stages", "samples_per_s", "samples_per_s_per_device",
-    "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms",
-    "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s",
-    "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note",
-    "finished_at",
+    "trial", "trial_id", "status", "batch_size", "num_devices", "micro_batch_size",
+    "per_device_batch", "grad_accum_steps", "pipeline_stages", "samples_per_s",
+    "samples_per_s_per_device", "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr",
+    "compute_time_ms", "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes",
+    "eval_samples_per_s", "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s",
+    "reason", "note", "finished_at",
 )  # fmt: skip
 """The columns of trials.csv (times in ms unless named _s; memory in bytes)."""
 
@@ -51,11 +51,11 @@ class RunDir:
         return cls(path)
 
     @classmethod
-    def open(cls, path: Path) -> RunDir:
-        run = cls(path)
+    def open(cls, path: str | Path, *, flag: str = "RUN_DIR") -> RunDir:
+        run = cls(Path(path))
         if not (run.path / "experiment.yaml").is_file():
             raise MbtuneError(
-                f"--resume: {path} is not an mbtune run directory (it has no experiment.yaml)"
+                f"{flag}: {path} is not an mbtune run directory (it has no experiment.yaml)"
             )
         return run
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from mbtune.config import Experiment
@@ -20,7 +21,7 @@ from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.rundir import RunDir
 
-__all__ = ["SearchOutcome", "run_search", "search_points"]
+__all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
 
 log = logging.getLogger("mbtune")
 
@@ -46,38 +47,32 @@ def run_search(
     address: str | None = None,
     dashboard: bool | None = None,
     verbose: bool = False,
+    warm_start: str | Path | None = None,
     echo: Any = print,
 ) -> SearchOutcome:
     """Search ``exp``'s space and return what was measured; writes a run directory."""
-    import ray
     from ray import tune
 
     from mbtune.searchers import make_searcher
 
     points = search_points(exp)
+    earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
     run = RunDir.create(exp.output_dir, exp.name)
     run.write_experiment(exp.to_dict())
-    address = address if address is not None else exp.ray.address
-    dashboard = dashboard if dashboard is not None else exp.ray.dashboard
-    _init_ray(address, dashboard, verbose, echo)
-    if dashboard and not address:
-        echo(f"mbtune dashboard: http://{ray.get_runtime_context().dashboard_url}")
-
+    _start_ray(exp, address, dashboard, verbose, echo)
     s = exp.search
-    searcher = make_searcher(s.sampler, points, seed=s.seed, storage=_optuna_storage(run))
-    resources = {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial}
-    trainable = tune.with_resources(
-        tune.with_parameters(
-            _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
-        ),
-        resources,
+    searcher = make_searcher(
+        s.sampler, points, seed=s.seed, storage=_optuna_storage(run), start_points=s.start_points
     )
+    if earlier is not None:
+        told = _warm_start(searcher, earlier, exp, points)
+        echo(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
     echo(
         f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
         f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
     )
     tuner = tune.Tuner(
-        trainable,
+        _trainable_for(exp),
         tune_config=tune.TuneConfig(
             search_alg=searcher,
             num_samples=s.num_samples,
@@ -86,17 +81,94 @@ def run_search(
             reuse_actors=False,
         ),
         run_config=tune.RunConfig(
-            name="ray",
+            name=RAY_DIR,
             storage_path=str(run.path.resolve()),
             verbose=1 if verbose else 0,
-            callbacks=[_TrialLog(run, exp, echo)],
+            callbacks=[_TrialLog(run, echo)],
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
+    return _fit(tuner, run, echo)
+
+
+def resume_search(
+    path: str | Path,
+    *,
+    address: str | None = None,
+    dashboard: bool | None = None,
+    verbose: bool = False,
+) -> SearchOutcome:
+    """Continue an interrupted search: finished trials are kept, unfinished ones rerun."""
+    from ray import tune
+
+    from mbtune.config import load_experiment
+
+    run = RunDir.open(path, flag="--resume")
+    exp = load_experiment(run.experiment_file)
+    state = run.path / RAY_DIR
+    if not tune.Tuner.can_restore(str(state)):
+        raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
+    _start_ray(exp, address, dashboard, verbose, print)
+    print(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    tuner = tune.Tuner.restore(
+        str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
+    )
+    return _fit(tuner, run, print)
+
+
+RAY_DIR = "ray"
+"""Ray Tune's own experiment state, inside the run directory."""
+
+
+def _fit(tuner: Any, run: RunDir, echo: Any) -> SearchOutcome:
     tuner.fit()
     outcome = SearchOutcome(run, run.trials())
     _print_best(outcome, echo)
     return outcome
+
+
+def _start_ray(
+    exp: Experiment, address: str | None, dashboard: bool | None, verbose: bool, echo: Any
+) -> None:
+    import ray
+
+    address = address if address is not None else exp.ray.address
+    dashboard = dashboard if dashboard is not None else exp.ray.dashboard
+    _init_ray(address, dashboard, verbose)
+    if dashboard and not address:
+        echo(f"mbtune dashboard: http://{ray.get_runtime_context().dashboard_url}")
+
+
+def _trainable_for(exp: Experiment) -> Any:
+    from ray import tune
+
+    return tune.with_resources(
+        tune.with_parameters(
+            _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
+        ),
+        {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial},
+    )
+
+
+def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -> int:
+    """Teach the sampler an earlier run's results (they are not counted as measured here)."""
+    space = set(points)
+    told = 0
+    for row in earlier.trials():
+        try:
+            config = BatchConfig(
+                int(row["batch_size"]), int(row["num_devices"]), int(row["micro_batch_size"])
+            ).canonical()
+        except (KeyError, ValueError):
+            continue
+        if config not in space:
+            continue
+        speed = float(row["samples_per_s"]) if row.get("status") == "ok" else 0.0
+        if exp.search.objective == "samples_per_s_per_device":
+            speed /= config.num_devices
+        searcher.tell(config, speed)
+        told += 1
+    return told
 
 
 def _optuna_storage(run: RunDir) -> Any:
@@ -105,7 +177,7 @@ def _optuna_storage(run: RunDir) -> Any:
     return optuna.storages.RDBStorage(run.optuna_url)
 
 
-def _init_ray(address: str | None, dashboard: bool, verbose: bool, echo: Any) -> None:
+def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
     import ray
 
     if ray.is_initialized():
@@ -184,10 +256,9 @@ def _make_callback_class() -> type:
     class TrialLog(Callback):
         """Appends every finished trial to trials.csv (flushed) and prints one line."""
 
-        def __init__(self, run: RunDir, exp: Experiment, echo: Any) -> None:
-            self.run, self.exp, self.echo = run, exp, echo
+        def __init__(self, run: RunDir, echo: Any) -> None:
+            self.run, self.echo = run, echo
             self.results: dict[str, dict[str, Any]] = {}
-            self.count = 0
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             self.results[trial.trial_id] = result
@@ -199,7 +270,9 @@ def _make_callback_class() -> type:
             self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
 
         def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
-            self.count += 1
+            finished = self.run.trials()
+            if any(r.get("trial_id") == trial.trial_id for r in finished):
+                return  # recorded before an interruption; Ray's state had not caught up
             cfg = trial.config
             row: dict[str, Any] = {
                 "batch_size": cfg.get("batch_size"),
@@ -209,7 +282,8 @@ def _make_callback_class() -> type:
                 "reason": "the trial actor failed" if crashed else "no result",
             }
             row.update({k: v for k, v in (result or {}).items() if k in _ROW_KEYS})
-            row["trial"] = self.count
+            row["trial"] = len(finished) + 1
+            row["trial_id"] = trial.trial_id
             row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             self.run.append_trial(row)
             self.echo(_trial_line(row))
@@ -226,8 +300,8 @@ _ROW_KEYS = {
 }  # fmt: skip
 
 
-def _TrialLog(run: RunDir, exp: Experiment, echo: Any) -> Any:  # noqa: N802
-    return _make_callback_class()(run, exp, echo)
+def _TrialLog(run: RunDir, echo: Any) -> Any:  # noqa: N802
+    return _make_callback_class()(run, echo)
 
 
 def _trial_line(row: dict[str, Any]) -> str:

@@ -74,6 +74,26 @@ class OptunaSpace:
             self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
         self.ns = sorted(self.by_n)
 
+    def encode(self, c: BatchConfig) -> tuple[dict[str, int], dict[str, Any]]:
+        """The Optuna parameters (and their distributions) that propose ``c``."""
+        from optuna.distributions import IntDistribution
+
+        params, dists = {}, {}
+        levels = [
+            ("num_devices_index", self.ns, c.num_devices),
+            (f"batch_size_index_n{c.num_devices}", self.by_n[c.num_devices], c.batch_size),
+            (
+                f"micro_batch_size_index_n{c.num_devices}_b{c.batch_size}",
+                self.by_nb[c.num_devices, c.batch_size],
+                c.micro_batch_size,
+            ),
+        ]
+        for name, values, value in levels:
+            if len(values) > 1:
+                params[name] = values.index(value)
+                dists[name] = IntDistribution(0, len(values) - 1)
+        return params, dists
+
     def __call__(self, trial: Any) -> dict[str, int]:
         n = _pick(trial, "num_devices_index", self.ns)
         b = _pick(trial, f"batch_size_index_n{n}", self.by_n[n])
@@ -237,12 +257,19 @@ class DedupSearcher(Searcher):
     been measured, or the inner searcher keeps repeating itself, the search is finished.
     """
 
-    def __init__(self, inner: Searcher, points: Sequence[BatchConfig]) -> None:
+    def __init__(
+        self,
+        inner: Searcher,
+        points: Sequence[BatchConfig],
+        start_points: Sequence[BatchConfig] = (),
+    ) -> None:
         super().__init__(metric=METRIC, mode="max")
         self.inner = inner
         self.points = {p.canonical() for p in points}
+        self.queue = [p.canonical() for p in start_points]
+        """Configurations to measure first (search.start_points)."""
         self.measured: dict[BatchConfig, float] = {}
-        self.running: dict[str, tuple[BatchConfig, str]] = {}
+        self.running: dict[str, tuple[BatchConfig, str | None]] = {}
         self.full_batch_only = False
         """Set once a trial reports that the model mixes the batch: then m = P only."""
         self._asked = 0
@@ -253,6 +280,11 @@ class DedupSearcher(Searcher):
         return config.canonical()
 
     def suggest(self, trial_id: str) -> dict | str | None:
+        while self.queue:
+            point = self.key(self.queue.pop(0))
+            if point not in self.measured and point not in self._running_points():
+                self.running[trial_id] = (point, None)
+                return _as_params(point)
         for _ in range(MAX_REPEATS):
             if self._remaining() == 0:
                 return Searcher.FINISHED
@@ -265,16 +297,19 @@ class DedupSearcher(Searcher):
             if point in self.measured:
                 self.inner.on_trial_complete(inner_id, {METRIC: self.measured[point]})
                 continue
-            if point in {p for p, _ in self.running.values()}:
+            if point in self._running_points():
                 self.inner.on_trial_complete(inner_id, None, error=True)
                 continue
             self.running[trial_id] = (point, inner_id)
             return {**params, **_as_params(point)}
         return Searcher.FINISHED
 
+    def _running_points(self) -> set[BatchConfig]:
+        return {p for p, _ in self.running.values()}
+
     def _remaining(self) -> int:
-        measured = set(self.measured) | {p for p, _ in self.running.values()}
-        return len({self.key(p) for p in self.points} - measured)
+        done = set(self.measured) | self._running_points()
+        return len({self.key(p) for p in self.points} - done)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         point, inner_id = self.running.pop(trial_id, (None, None))
@@ -286,11 +321,34 @@ class DedupSearcher(Searcher):
         self.measured[point] = value
         if result and "micro_batch_size" in result:  # what really ran (e.g. after halving)
             self.measured[self.key(to_config(result))] = value
-        self.inner.on_trial_complete(inner_id, {METRIC: value})
+        if inner_id is None:  # a start point: the proposer did not ask for it
+            self.tell(point, value, measured=True)
+        else:
+            self.inner.on_trial_complete(inner_id, {METRIC: value})
 
     def add_measured(self, config: BatchConfig, value: float) -> None:
-        """A point measured before this search (warm start, resume): never measure it again."""
+        """A point measured before this search (resume): never measure it again."""
         self.measured[self.key(config)] = value
+        self.tell(config, value, measured=True)
+
+    def tell(self, config: BatchConfig, value: float, *, measured: bool = False) -> None:
+        """Teach the proposer a result it did not ask for (a start point, a warm start).
+
+        Optuna learns from every result; the baselines only from what this search measured
+        (``measured``): a warm start must not make ``grid`` skip a configuration.
+        """
+        if isinstance(self.inner, _ListSearcher):
+            if measured:
+                self.inner.values[config.canonical()] = value
+            return
+        import optuna
+
+        space: OptunaSpace = self.inner._space  # OptunaSearch keeps the define-by-run space
+        study = self.inner._ot_study  # and its study: add the result as a finished trial
+        params, distributions = space.encode(config.canonical())
+        study.add_trial(
+            optuna.trial.create_trial(params=params, distributions=distributions, value=value)
+        )
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec):
         return True
@@ -309,7 +367,12 @@ class DedupSearcher(Searcher):
 
 
 def make_searcher(
-    sampler: str, points: Sequence[BatchConfig], *, seed: int, storage: Any = None
+    sampler: str,
+    points: Sequence[BatchConfig],
+    *,
+    seed: int,
+    storage: Any = None,
+    start_points: Sequence[BatchConfig] = (),
 ) -> DedupSearcher:
     """The searcher for ``search.sampler``, wrapped so nothing is measured twice."""
     baselines = {"grid": GridSearcher, "halving": HalvingSearcher, "doubling": DoublingSearcher}
@@ -318,4 +381,4 @@ def make_searcher(
         inner: Searcher = baselines[sampler](canonical)
     else:
         inner = _optuna_searcher(sampler, canonical, seed, storage)
-    return DedupSearcher(inner, canonical)
+    return DedupSearcher(inner, canonical, start_points)

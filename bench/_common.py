@@ -1,0 +1,97 @@
+"""Helpers shared by the benchmark scripts in bench/ (not a benchmark itself).
+
+Each benchmark prints a table and writes its raw figures to bench/results/NAME.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+MBTUNE = Path(sys.executable).with_name("mbtune")
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average: how busy the (shared) machine was."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_at_start": loadavg(),
+    }
+
+
+def cli_trial(args: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``mbtune trial ... --json`` in a fresh process; its JSON plus the process's wall time."""
+    command = [str(MBTUNE), "trial", str(QUICKSTART), *args, "--json"]
+    load = loadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True
+    )
+    process_s = time.perf_counter() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise SystemExit(
+            f"{' '.join(command)} exited {proc.returncode} without a JSON result:\n"
+            f"{proc.stderr[-2000:]}"
+        )
+    result = json.loads(lines[-1])
+    if result["status"] != "ok":
+        raise SystemExit(f"{' '.join(command)}: status {result['status']}: {result['reason']}")
+    result["process_s"] = process_s
+    result["loadavg_before"] = load
+    return result
+
+
+def cv(values: Sequence[float]) -> float:
+    """Coefficient of variation: sample standard deviation / mean."""
+    return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else 0.0
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table, numbers right-aligned."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}"
+        return "" if v is None else str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(out)
+
+
+def save(name: str, info: dict[str, Any], data: dict[str, Any]) -> Path:
+    """Write bench/results/NAME.json: ``info`` (from :func:`machine` at the start) and ``data``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    data = {"benchmark": name, "machine": {**info, "loadavg_at_end": loadavg()}, **data}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
