@@ -31,6 +31,34 @@ def loadavg() -> float | None:
         return None
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return idle, sum(fields[:8])
+
+
+def wait_for_quiet(max_wait_s: float = 30.0, busy_below: float = 0.15) -> float | None:
+    """Wait until the machine is nearly idle; return the busy share (0..1) last seen.
+
+    The machine is shared: another job's load slows a CPU benchmark a lot. Each check
+    samples /proc/stat over one second; after ``max_wait_s`` the benchmark goes on anyway
+    and the busy share it saw is recorded with the measurement.
+    """
+    deadline = time.monotonic() + max_wait_s
+    busy = None
+    while True:
+        try:
+            idle0, total0 = _cpu_times()
+            time.sleep(1.0)
+            idle1, total1 = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = 1 - (idle1 - idle0) / max(1, total1 - total0)
+        if busy < busy_below or time.monotonic() > deadline:
+            return busy
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -45,8 +73,12 @@ def machine() -> dict[str, Any]:
 
 
 def cli_trial(args: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``mbtune trial ... --json`` in a fresh process; its JSON plus the process's wall time."""
+    """``mbtune trial ... --json`` in a fresh process; its JSON plus the process's wall time.
+
+    Waits for a quiet machine first (:func:`wait_for_quiet`).
+    """
     command = [str(MBTUNE), "trial", str(QUICKSTART), *args, "--json"]
+    busy = wait_for_quiet()
     load = loadavg()
     t0 = time.perf_counter()
     proc = subprocess.run(
@@ -64,6 +96,7 @@ def cli_trial(args: Sequence[str], env: dict[str, str] | None = None) -> dict[st
         raise SystemExit(f"{' '.join(command)}: status {result['status']}: {result['reason']}")
     result["process_s"] = process_s
     result["loadavg_before"] = load
+    result["busy_before"] = busy
     return result
 
 

@@ -14,6 +14,8 @@ the quickstart's 2 warm-up + 5 timed steps. Three variants of the same sweep, in
   (c) warm     static shapes again, with the cache that (a) filled (a repeated or
                 resumed search).
 
+Before each trial the script waits (up to 30 s) for the shared machine to be nearly idle.
+
 Reported: each trial's compile_s (its first step minus the median step: what the trial
 itself reports), the sum over the sweep per variant and its ratio to (a); the processes'
 wall time too. Steady-state samples/s per m for static ((a) and (c) run the same static

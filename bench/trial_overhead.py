@@ -13,8 +13,12 @@ machine hits both alike), after one untimed run of each (lazy imports, allocator
          plus its warm-up) and measure_steps timed ones, each micro-batch loss weighted by
          its share of the batch.
 
+Before each round the script waits (up to 30 s) for the shared machine to be nearly idle.
+
 Reported: the median wall time of each, their ratio (trial / bare), the median of the
 per-round ratios, and both median step times (a check that both time the same work).
+As a diagnostic, each round also times one full ``gc.collect()`` in this process: the
+trial ends with one (``mbtune.trial._release``) and the bare loop does not.
 
 Target: trial wall time <= 1.2x the bare loop (compile off, so there is no compile time
 to set aside).
@@ -23,11 +27,12 @@ to set aside).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
-from _common import QUICKSTART, machine, save, table
+from _common import QUICKSTART, machine, save, table, wait_for_quiet
 
 from mbtune.config import load_experiment
 from mbtune.lattice import BatchConfig
@@ -86,7 +91,12 @@ def main() -> None:
     trial(exp, CONFIG)  # untimed: first-use costs of either path
     bare_loop(exp, CONFIG)
     runs: dict[str, list[tuple[float, float]]] = {"trial": [], "bare": []}
+    gc_s, busy = [], []
     for i in range(opts.rounds):
+        busy.append(wait_for_quiet())
+        g0 = time.perf_counter()
+        gc.collect()
+        gc_s.append(time.perf_counter() - g0)
         order = ("trial", "bare") if i % 2 == 0 else ("bare", "trial")
         for name in order:
             runs[name].append((trial if name == "trial" else bare_loop)(exp, CONFIG))
@@ -102,6 +112,7 @@ def main() -> None:
     med_step = {k: statistics.median(v) for k, v in step.items()}
     ratio = med["trial"] / med["bare"]
     paired = statistics.median(t / b for t, b in zip(wall["trial"], wall["bare"], strict=True))
+    med_gc = statistics.median(gc_s)
     met = ratio <= TARGET_RATIO
 
     print(
@@ -117,6 +128,7 @@ def main() -> None:
             wall["trial"][i] / wall["bare"][i],
             step["trial"][i] * 1e3,
             step["bare"][i] * 1e3,
+            gc_s[i],
         )
         for i in range(opts.rounds)
     ]
@@ -128,13 +140,24 @@ def main() -> None:
             ratio,
             med_step["trial"] * 1e3,
             med_step["bare"] * 1e3,
+            med_gc,
         )
     )
-    headers = ["round", "trial wall s", "bare wall s", "ratio", "trial step ms", "bare step ms"]
+    headers = [
+        "round",
+        "trial wall s",
+        "bare wall s",
+        "ratio",
+        "trial step ms",
+        "bare step ms",
+        "gc s",
+    ]
     print(table(headers, rows))
     print(
         f"\ntrial / bare: {ratio:.3f}x of medians, {paired:.3f}x median per-round ratio "
-        f"(target <= {TARGET_RATIO}x: {'met' if met else 'NOT met'})"
+        f"(target <= {TARGET_RATIO}x: {'met' if met else 'NOT met'})\n"
+        f"one gc.collect() here: {med_gc:.3f} s median; trial - bare: "
+        f"{med['trial'] - med['bare']:.3f} s"
     )
     path = save(
         NAME,
@@ -151,6 +174,9 @@ def main() -> None:
             "ratio_of_medians": ratio,
             "median_paired_ratio": paired,
             "target_met": met,
+            "gc_collect_s": gc_s,
+            "median_gc_collect_s": med_gc,
+            "busy_before_round": busy,
         },
     )
     print(f"raw figures: {path}")

@@ -7,7 +7,9 @@ trials, each a fresh process running
 runs one process per trial. All the processes share one private inductor cache
 (TORCHINDUCTOR_CACHE_DIR, a new temporary directory) that an untimed priming trial
 fills first, so every timed trial starts from the same state (a warm on-disk cache);
-compile time is reported apart from throughput by the trial anyway.
+compile time is reported apart from throughput by the trial anyway. Before each trial
+the script waits (up to 30 s) for the shared machine to be nearly idle and records the
+busy share of the CPUs it saw ("busy").
 
 Reported: each trial's samples/s (batch_size / median step time), their median, and the
 coefficient of variation (sample stdev / mean) of samples/s across the trials.
@@ -55,7 +57,7 @@ def main() -> None:
             r["step_time_ms_iqr"],
             r["compile_s"],
             r["wall_s"],
-            r["loadavg_before"],
+            r["busy_before"],
         )
         for i, r in enumerate(runs)
     ]
@@ -63,7 +65,7 @@ def main() -> None:
     print("quickstart GPT, batch_size 32, micro_batch_size 8, compile on, fresh process each")
     print(
         table(
-            ["trial", "samples/s", "step ms", "IQR ms", "compile s", "wall s", "load"],
+            ["trial", "samples/s", "step ms", "IQR ms", "compile s", "wall s", "busy"],
             rows,
         )
     )

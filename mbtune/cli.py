@@ -271,10 +271,18 @@ def _space(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mbtune.search import run_search
+    from mbtune.search import resume_search, run_search
 
-    exp = load_experiment(args.experiment, args.overrides)
-    outcome = run_search(exp, address=args.address, dashboard=args.dashboard, verbose=args.verbose)
+    where = {"address": args.address, "dashboard": args.dashboard, "verbose": args.verbose}
+    if args.resume:
+        if args.experiment or args.overrides or args.warm_start:
+            raise MbtuneError("--resume: give only the run directory; it holds its experiment")
+        outcome = resume_search(args.resume, **where)
+    elif not args.experiment:
+        raise MbtuneError("run: give EXPERIMENT.yaml, or --resume RUN_DIR")
+    else:
+        exp = load_experiment(args.experiment, args.overrides)
+        outcome = run_search(exp, warm_start=args.warm_start, **where)
     return 0 if outcome.best() else 1
 
 

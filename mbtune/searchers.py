@@ -23,6 +23,7 @@ import pickle
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ray.tune.search import Searcher
@@ -354,16 +355,23 @@ class DedupSearcher(Searcher):
         return True
 
     def save(self, checkpoint_path: str) -> None:
+        # Ray keeps exactly one file per searcher: the inner searcher's state goes inside it
         inner_path = checkpoint_path + ".inner"
         self.inner.save(inner_path)
         state = {k: v for k, v in self.__dict__.items() if k != "inner"}
+        state["inner_state"] = Path(inner_path).read_bytes()
+        Path(inner_path).unlink()
         with open(checkpoint_path, "wb") as f:
             pickle.dump(state, f)
 
     def restore(self, checkpoint_path: str) -> None:
-        self.inner.restore(checkpoint_path + ".inner")
         with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
+            state = pickle.load(f)
+        inner_path = Path(checkpoint_path + ".inner")
+        inner_path.write_bytes(state.pop("inner_state"))
+        self.inner.restore(str(inner_path))
+        inner_path.unlink()
+        self.__dict__.update(state)
 
 
 def make_searcher(

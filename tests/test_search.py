@@ -114,3 +114,33 @@ def test_the_trial_process_reports_json(tmp_path):
     )
     assert result["status"] == "ok" and result["samples_per_s"] == 630.0
     assert result["objective"] == 630.0
+
+
+@pytest.mark.ray
+def test_warm_start_and_resume(ray_session, tmp_path):
+    from mbtune.search import resume_search
+
+    first = run_search(replay_experiment(tmp_path, sampler="tpe", num_samples=3), echo=print)
+    assert len(first.rows) == 3
+    # resume the same run with a larger budget: nothing finished is repeated or lost
+    resumed = resume_search(first.run.path)
+    assert [r["trial_id"] for r in resumed.rows[:3]] == [r["trial_id"] for r in first.rows]
+    assert len({r["trial_id"] for r in resumed.rows}) == len(resumed.rows)
+    lines = []
+    warm = run_search(
+        replay_experiment(tmp_path, sampler="tpe", num_samples=2),
+        warm_start=first.run.path,
+        echo=lines.append,
+    )
+    assert any("the sampler learnt 3 results" in line for line in lines)
+    assert warm.run.path != first.run.path and len(warm.rows) == 2
+
+
+def test_run_refuses_bad_directories_and_addresses(tmp_path, capsys):
+    from mbtune.cli import main
+
+    code = main(["run", "--resume", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--resume: " in err and "is not an mbtune run directory" in err
+    code = main(["run"])
+    assert code == 2 and "give EXPERIMENT.yaml, or --resume RUN_DIR" in capsys.readouterr().err

@@ -133,3 +133,24 @@ def drive_some(searcher, k):
         searcher.on_trial_complete(f"a{i}", {METRIC: speed(c), **params})
         out.append(c)
     return out
+
+
+def test_start_points_are_measured_first_and_taught_to_the_sampler():
+    first = [BatchConfig(32, 2, 4), BatchConfig(32, 1, 16)]
+    searcher = make_searcher("tpe", POINTS, seed=0, start_points=first)
+    measured = drive(searcher, speed)
+    assert measured[:2] == first
+    assert sorted(measured) == sorted(POINTS)
+    study = searcher.inner._ot_study
+    assert len(study.trials) >= len(POINTS)
+
+
+def test_warm_start_teaches_optuna_without_skipping_anything():
+    searcher = make_searcher("tpe", POINTS, seed=0)
+    for c in POINTS[:4]:
+        searcher.tell(c, speed(c))
+    assert len(searcher.inner._ot_study.trials) == 4  # Optuna learnt them
+    assert sorted(drive(searcher, speed)) == sorted(POINTS)  # and every point is measured here
+    grid = make_searcher("grid", POINTS, seed=0)
+    grid.tell(POINTS[0], 1.0)
+    assert drive(grid, speed) == sorted(POINTS)  # a baseline is not taught by a warm start
