@@ -19,6 +19,7 @@ measured already is answered from the cache and the proposer asked again.
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from collections import defaultdict
@@ -64,7 +65,15 @@ def _as_params(c: BatchConfig) -> dict[str, int]:
 
 
 class OptunaSpace:
-    """A define-by-run space proposing only the given points (picklable, for resume)."""
+    """A define-by-run space proposing only the given points (picklable, for resume).
+
+    Devices and batch sizes are indices into fixed sorted lists. The micro-batch size is
+    one parameter shared by every (devices, batch): its log2, mapped to the nearest valid
+    size of the chosen (devices, batch). Sharing it lets the sampler carry what it learnt
+    about micro-batch sizes on one device count over to the others.
+    """
+
+    M_PARAM = "micro_batch_size_log2"
 
     def __init__(self, points: Sequence[BatchConfig]) -> None:
         self.by_n: dict[int, list[int]] = defaultdict(list)
@@ -74,31 +83,32 @@ class OptunaSpace:
                 self.by_n[c.num_devices].append(c.batch_size)
             self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
         self.ns = sorted(self.by_n)
+        self.log2_max = math.log2(max(max(ms) for ms in self.by_nb.values()))
 
-    def encode(self, c: BatchConfig) -> tuple[dict[str, int], dict[str, Any]]:
+    def encode(self, c: BatchConfig) -> tuple[dict[str, float], dict[str, Any]]:
         """The Optuna parameters (and their distributions) that propose ``c``."""
-        from optuna.distributions import IntDistribution
+        from optuna.distributions import FloatDistribution, IntDistribution
 
-        params, dists = {}, {}
-        levels = [
+        params: dict[str, float] = {}
+        dists: dict[str, Any] = {}
+        for name, values, value in (
             ("num_devices_index", self.ns, c.num_devices),
             (f"batch_size_index_n{c.num_devices}", self.by_n[c.num_devices], c.batch_size),
-            (
-                f"micro_batch_size_index_n{c.num_devices}_b{c.batch_size}",
-                self.by_nb[c.num_devices, c.batch_size],
-                c.micro_batch_size,
-            ),
-        ]
-        for name, values, value in levels:
+        ):
             if len(values) > 1:
                 params[name] = values.index(value)
                 dists[name] = IntDistribution(0, len(values) - 1)
+        if self.log2_max > 0:
+            params[self.M_PARAM] = math.log2(c.micro_batch_size)
+            dists[self.M_PARAM] = FloatDistribution(0.0, self.log2_max)
         return params, dists
 
     def __call__(self, trial: Any) -> dict[str, int]:
         n = _pick(trial, "num_devices_index", self.ns)
         b = _pick(trial, f"batch_size_index_n{n}", self.by_n[n])
-        m = _pick(trial, f"micro_batch_size_index_n{n}_b{b}", self.by_nb[n, b])
+        ms = self.by_nb[n, b]
+        x = trial.suggest_float(self.M_PARAM, 0.0, self.log2_max) if self.log2_max > 0 else 0.0
+        m = min(ms, key=lambda m: abs(math.log2(m) - x))
         return {"batch_size": b, "num_devices": n, "micro_batch_size": m}
 
 

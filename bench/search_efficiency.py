@@ -1,0 +1,131 @@
+"""Search efficiency: how many trials each sampler needs to find a near-best configuration.
+
+Method. Each landscape is a replay table (samples/s per configuration, empty where out
+of memory). For every sampler and 30 seeds, the very searcher `mbtune run` uses
+(`mbtune.searchers.make_searcher`, deduplication included) is driven in-process, one
+trial at a time; each observed throughput carries 3% seeded noise, as a replayed trial
+would. We record the number of trials until a configuration whose *true* throughput is
+within 2% of the landscape's best has been measured, and report the median over seeds
+(a search that never finds one counts as the lattice size + 1).
+
+Landscapes:
+- gpt_cpu: measured on this machine with the quickstart GPT (bench/landscapes/gpt_cpu.csv,
+  written by `bench/measure_landscape.py`);
+- saturating: throughput rises with m and saturates, devices scale with a communication
+  cost, and large micro-batches run out of memory (a cliff);
+- dip: like saturating but with a dip in the middle of the m range (e.g. a kernel that
+  switches algorithm), so the best lies past a worse region.
+
+Target: the default sampler needs at most a quarter of the lattice and at most half of
+what `random` needs. Run: `.venv/bin/python bench/search_efficiency.py [--seeds 30]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from ray.tune.search import Searcher
+
+from mbtune.lattice import BatchConfig, enumerate_configs
+from mbtune.searchers import METRIC, make_searcher
+
+HERE = Path(__file__).resolve().parent
+SAMPLERS = ("tpe", "gp", "random", "grid", "halving", "doubling")
+
+
+def synthetic(kind: str) -> dict[BatchConfig, float | None]:
+    """A landscape over B = 512, n in 1..8, m the divisors of P (34 configurations)."""
+    points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
+    table: dict[BatchConfig, float | None] = {}
+    for c in points:
+        m, n = c.micro_batch_size, c.num_devices
+        if m > 64:  # out of memory above 64 samples per micro-batch
+            table[c] = None
+            continue
+        per_device = 1000 * m / (m + 6)  # saturating compute efficiency
+        if kind == "dip":
+            per_device *= 1 - 0.35 * math.exp(-((math.log2(m) - 3) ** 2) / 0.8)
+        step = c.per_device_batch / per_device + 0.004 * (n - 1) / n * 8  # + all-reduce
+        table[c] = c.batch_size / step
+    return table
+
+
+def load_table(path: Path) -> dict[BatchConfig, float | None]:
+    table: dict[BatchConfig, float | None] = {}
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            c = BatchConfig(int(row["batch_size"]), int(row["num_devices"]),
+                            int(row["micro_batch_size"]))  # fmt: skip
+            ok = row.get("status", "ok") in ("ok", "") and row["samples_per_s"]
+            table[c] = float(row["samples_per_s"]) if ok else None
+    return table
+
+
+def trials_to_near_best(table, sampler: str, seed: int, noise: float = 0.03) -> int:
+    best = max(v for v in table.values() if v)
+    good = {c for c, v in table.items() if v and v >= 0.98 * best}
+    searcher = make_searcher(sampler, list(table), seed=seed)
+    rng = random.Random(seed)
+    for i in range(1, len(table) + 1):
+        params = searcher.suggest(f"t{i}")
+        if params in (None, Searcher.FINISHED):
+            break
+        c = BatchConfig(params["batch_size"], params["num_devices"], params["micro_batch_size"])
+        if c in good:
+            return i
+        true = table[c]
+        value = true * (1 + noise * rng.gauss(0, 1)) if true else 0.0
+        searcher.on_trial_complete(f"t{i}", {METRIC: value, **params})
+    return len(table) + 1  # never found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=30)
+    parser.add_argument("--samplers", nargs="*", default=list(SAMPLERS))
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    landscapes = {"saturating": synthetic("saturating"), "dip": synthetic("dip")}
+    measured = HERE / "landscapes" / "gpt_cpu.csv"
+    if measured.exists():
+        landscapes = {"gpt_cpu": load_table(measured), **landscapes}
+    else:
+        print(f"note: {measured} missing; run bench/measure_landscape.py first", file=sys.stderr)
+    results: dict[str, dict[str, dict]] = {}
+    for name, table in landscapes.items():
+        results[name] = {}
+        size = len(table)
+        print(f"\n{name}: {size} configurations; target: default <= {size / 4:.1f} trials and "
+              "<= half of random")  # fmt: skip
+        print(f"  {'sampler':<9} {'median':>7} {'p75':>6} {'found':>6} {'s/search':>9}")
+        for sampler in args.samplers:
+            started = time.perf_counter()
+            counts = [trials_to_near_best(table, sampler, seed) for seed in range(args.seeds)]
+            seconds = (time.perf_counter() - started) / args.seeds
+            found = sum(c <= size for c in counts)
+            q = statistics.quantiles(counts, n=4) if len(counts) > 1 else counts * 3
+            results[name][sampler] = {
+                "median": statistics.median(counts), "p75": q[2], "found": found,
+                "seeds": args.seeds, "size": size, "counts": counts,
+                "seconds_per_search": seconds,
+            }  # fmt: skip
+            print(f"  {sampler:<9} {statistics.median(counts):>7.1f} {q[2]:>6.1f} "
+                  f"{found:>3}/{args.seeds:<2} {seconds:>9.2f}")  # fmt: skip
+    out = HERE / "results" / "search_efficiency.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nraw figures: {out.relative_to(HERE.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
