@@ -23,9 +23,7 @@ $(BIN)/mbtune: pyproject.toml
 setup: $(BIN)/mbtune
 
 demo: setup
-	$(BIN)/mbtune validate experiments/quickstart.yaml
-	$(BIN)/mbtune space experiments/quickstart.yaml
-	$(BIN)/mbtune trial experiments/quickstart.yaml --num-devices 2 --micro-batch-size 8
+	$(BIN)/mbtune run experiments/quickstart.yaml
 
 test: setup
 	$(BIN)/python -m pytest

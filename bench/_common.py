@@ -110,7 +110,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     def cell(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:,.2f}"
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
         return "" if v is None else str(v)
 
     cells = [[cell(v) for v in row] for row in rows]

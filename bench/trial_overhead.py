@@ -157,7 +157,8 @@ def main() -> None:
         f"\ntrial / bare: {ratio:.3f}x of medians, {paired:.3f}x median per-round ratio "
         f"(target <= {TARGET_RATIO}x: {'met' if met else 'NOT met'})\n"
         f"one gc.collect() here: {med_gc:.3f} s median; trial - bare: "
-        f"{med['trial'] - med['bare']:.3f} s"
+        f"{med['trial'] - med['bare']:.3f} s; (trial - gc.collect) / bare: "
+        f"{(med['trial'] - med_gc) / med['bare']:.3f}x"
     )
     path = save(
         NAME,

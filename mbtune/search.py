@@ -57,9 +57,9 @@ def run_search(
 
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
+    _start_ray(exp, address, dashboard, verbose, echo)
     run = RunDir.create(exp.output_dir, exp.name)
     run.write_experiment(exp.to_dict())
-    _start_ray(exp, address, dashboard, verbose, echo)
     s = exp.search
     searcher = make_searcher(
         s.sampler, points, seed=s.seed, storage=_optuna_storage(run), start_points=s.start_points
@@ -180,6 +180,8 @@ def _optuna_storage(run: RunDir) -> Any:
 def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
     import ray
 
+    if address and address != "auto":
+        _check_reachable(address)
     if ray.is_initialized():
         return
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
@@ -192,6 +194,22 @@ def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = address or "an embedded local Ray"
         raise MbtuneError(f"--address: cannot start or reach {where}: {_first_line(e)}") from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise MbtuneError(f"--address: {address!r} is not 'auto', host:port or ray://host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise MbtuneError(
+            f"--address: nothing answers at {address} ({e.strerror or e}); start a cluster "
+            "with `ray start --head`, or leave out --address for an embedded Ray"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -144,3 +144,9 @@ def test_run_refuses_bad_directories_and_addresses(tmp_path, capsys):
     assert code == 2 and "--resume: " in err and "is not an mbtune run directory" in err
     code = main(["run"])
     assert code == 2 and "give EXPERIMENT.yaml, or --resume RUN_DIR" in capsys.readouterr().err
+    exp = replay_experiment(tmp_path)
+    (tmp_path / "e.yaml").write_text(__import__("yaml").safe_dump(exp.to_dict()))
+    code = main(["run", str(tmp_path / "e.yaml"), "--address", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("mbtune: error: --address: nothing answers at 127.0.0.1:9")
+    assert not (tmp_path / "runs").exists()  # nothing written
