@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,17 @@ from mbtune.rundir import RunDir
 
 __all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
 
-log = logging.getLogger("mbtune")
-
-
 def search_points(exp: Experiment) -> list[BatchConfig]:
     """The distinct measurements of the experiment's space (canonical micro-batch sizes)."""
     return sorted({c.canonical() for c in exp.configs()})
 
 
+@dataclass(frozen=True)
 class SearchOutcome:
-    def __init__(self, run: RunDir, rows: list[dict[str, str]]) -> None:
-        self.run = run
-        self.rows = rows
+    """A finished (or stopped) search: its run directory and every trials.csv row."""
+
+    run: RunDir
+    rows: list[dict[str, str]]
 
     def best(self, k: int = 5) -> list[dict[str, str]]:
         ok = [r for r in self.rows if r["status"] == "ok" and r["objective"]]

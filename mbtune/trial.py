@@ -225,6 +225,8 @@ def _timed_steps(
     # Synthetic data for the busiest device (P samples), made once, outside the timing.
     data = spec.make_batch(config.per_device_batch, device)
     batches = split_batch(data, config.micro_batch_sizes)
+    if tr.compile and tr.dynamic:
+        _mark_batch_dynamic(batches)
     model = _compile(module, tr) if tr.compile else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -307,9 +309,21 @@ def _eval_time(loss_fn: Callable, model: Any, batches: list[Any], timed: Callabl
 
 
 def _compile(module: Any, tr: Any) -> Any:
+    # trial.dynamic marks only the batch dimension dynamic (see _mark_batch_dynamic), which
+    # compiles one graph for every micro-batch size; dynamic=True would also make every
+    # other size symbolic and merge equal ones ("duck sizing"), so a micro-batch size that
+    # happens to equal seq_len would get a graph of its own
     import torch
 
-    return torch.compile(module, mode=tr.compile_mode, dynamic=tr.dynamic)
+    return torch.compile(module, mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
+
+
+def _mark_batch_dynamic(batches: list[tuple[Any, ...]]) -> None:
+    import torch
+
+    for batch in batches:
+        for t in batch:
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 class _FallbackWatch(logging.Handler):
@@ -383,8 +397,13 @@ def _find_oom(exc: BaseException) -> BaseException | None:
 
 
 def _release(torch: Any, device: Any) -> None:
-    gc.collect()
+    """Give CUDA memory back after a trial (an OOM leaves tensors behind in frames).
+
+    Not on the CPU: there the trial's process ends with the trial, and a full collection
+    costs ~0.1 s, a fifth of a short eager trial (docs/benchmarks.md).
+    """
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 

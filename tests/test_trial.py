@@ -155,6 +155,18 @@ def test_fallback_to_eager_is_detected(monkeypatch):
     assert "trial.dynamic: true" in r.compile_fallback
 
 
+def test_dynamic_compiles_one_graph_for_every_micro_batch_size(monkeypatch):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    exp = experiment(batch_size=7, trial={"compile": True, "dynamic": True}, allow_uneven=True)
+    r = run_trial(exp, BatchConfig(7, 1, 3))  # 3 + 2 + 2: one graph, so no fallback
+    torch._dynamo.reset()
+    assert r.status == "ok", r.reason
+    assert r.compile_fallback is None
+
+
 # -- out of memory and failures ----------------------------------------------------
 
 OOM_MODEL = """
