@@ -142,26 +142,26 @@ def test_compiled_trial_reports_compile_time_apart():
     assert r.compile_fallback is None
 
 
-def test_fallback_to_eager_is_detected(monkeypatch):
+def test_fallback_to_eager_is_detected():
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     exp = experiment(batch_size=7, trial={"compile": True}, allow_uneven=True)
-    r = run_trial(exp, BatchConfig(7, 1, 3))  # micro-batches 3 + 2 + 2: two shapes
+    with torch._dynamo.config.patch(recompile_limit=1):
+        r = run_trial(exp, BatchConfig(7, 1, 3))  # micro-batches 3 + 2 + 2: two shapes
     torch._dynamo.reset()
     assert r.status == "ok", r.reason
     assert "recompile_limit (1)" in r.compile_fallback
     assert "trial.dynamic: true" in r.compile_fallback
 
 
-def test_dynamic_compiles_one_graph_for_every_micro_batch_size(monkeypatch):
+def test_dynamic_compiles_one_graph_for_every_micro_batch_size():
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     exp = experiment(batch_size=7, trial={"compile": True, "dynamic": True}, allow_uneven=True)
-    r = run_trial(exp, BatchConfig(7, 1, 3))  # 3 + 2 + 2: one graph, so no fallback
+    with torch._dynamo.config.patch(recompile_limit=1):
+        r = run_trial(exp, BatchConfig(7, 1, 3))  # 3 + 2 + 2: one graph, so no fallback
     torch._dynamo.reset()
     assert r.status == "ok", r.reason
     assert r.compile_fallback is None
