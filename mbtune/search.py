@@ -78,7 +78,7 @@ def run_search(
             num_samples=s.num_samples,
             max_concurrent_trials=exp.ray.max_concurrent_trials,
             time_budget_s=s.time_budget_s,
-            reuse_actors=False,
+            reuse_actors=True,  # isolation comes from the child process, not the actor
         ),
         run_config=tune.RunConfig(
             name=RAY_DIR,
