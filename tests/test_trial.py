@@ -169,7 +169,7 @@ def test_dynamic_compiles_one_graph_for_every_micro_batch_size():
 
 # -- out of memory and failures ----------------------------------------------------
 
-OOM_MODEL = """
+FRAGILE_MODEL = """
 import torch
 import torch.nn as nn
 
@@ -179,18 +179,26 @@ class Fragile(nn.Module):
         self.lin = nn.Linear(4, 1)
     def forward(self, x):
         if x.shape[0] > LIMIT:
-            raise RuntimeError("wrapped") from torch.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 2.00 GiB")
+            ACTION
         return self.lin(x)
 
 def build():
     return (Fragile(), lambda n, device: (torch.randn(n, 4, device=device),),
             lambda m, b: m(b[0]).pow(2).mean())
 """
+CUDA_OOM = (
+    'raise RuntimeError("wrapped") from torch.OutOfMemoryError('
+    '"CUDA out of memory. Tried to allocate 2.00 GiB")'
+)
+
+
+def fragile_model(limit: int, action: str = CUDA_OOM) -> str:
+    """A user model that runs ``action`` on any micro-batch larger than ``limit``."""
+    return FRAGILE_MODEL.replace("LIMIT", str(limit)).replace("ACTION", action)
 
 
 def test_cuda_oom_is_a_result_and_halving_records_every_size(tmp_path, monkeypatch):
-    name = user_module(tmp_path, monkeypatch, "fragile", OOM_MODEL.replace("LIMIT", "4"))
+    name = user_module(tmp_path, monkeypatch, "fragile", fragile_model(4))
     exp = experiment(model=name, batch_size=16)
     r = run_trial(exp, BatchConfig(16, 1, 16))
     assert r.status == "oom" and "CUDA out of memory" in r.reason
@@ -210,23 +218,16 @@ def test_memory_budget_turns_a_cpu_trial_into_oom():
 
 
 def test_errors_inside_a_trial_are_recorded(tmp_path, monkeypatch):
-    body = OOM_MODEL.replace("LIMIT", "1").replace(
-        'raise RuntimeError("wrapped") from torch.OutOfMemoryError(\n'
-        '                "CUDA out of memory. Tried to allocate 2.00 GiB")',
-        'raise ValueError("bad shape")',
-    )
+    body = fragile_model(1, 'raise ValueError("bad shape")')
     name = user_module(tmp_path, monkeypatch, "broken", body)
     r = run_trial(experiment(model=name), BatchConfig(16, 1, 8))
     assert r.status == "error" and r.reason.startswith("ValueError: bad shape")
 
 
 def test_a_trial_past_its_timeout_is_stopped(tmp_path, monkeypatch):
-    body = OOM_MODEL.replace("LIMIT", "0").replace(
-        'raise RuntimeError("wrapped") from torch.OutOfMemoryError(\n'
-        '                "CUDA out of memory. Tried to allocate 2.00 GiB")',
-        "import time; time.sleep(60)",
+    name = user_module(
+        tmp_path, monkeypatch, "slow", fragile_model(0, "import time; time.sleep(60)")
     )
-    name = user_module(tmp_path, monkeypatch, "slow", body)
     r = run_trial(experiment(model=name, trial={"timeout_s": 1}), BatchConfig(16, 1, 8))
     assert r.status == "timeout" and "trial.timeout_s = 1 s" in r.reason
     assert r.wall_s < 10
