@@ -151,14 +151,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment, args.overrides)
-    if not exp.model.is_builtin:
-        from mbtune.models import build_model
-
-        build_model(exp.model.name, exp.model.options)  # imports it and checks the contract
+    check_user_model(exp)
     print(f"{args.experiment}: valid")
     for label, text in summary_lines(exp):
         print(f"  {label:<12} {text}")
     return 0
+
+
+def check_user_model(exp: Experiment) -> None:
+    """Import a user model and check its contract now, before anything is measured."""
+    if not exp.model.is_builtin:
+        from mbtune.models import build_model
+
+        build_model(exp.model.name, exp.model.options)
 
 
 def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
@@ -282,6 +287,7 @@ def _run(args: argparse.Namespace) -> int:
         raise MbtuneError("run: give EXPERIMENT.yaml, or --resume RUN_DIR")
     else:
         exp = load_experiment(args.experiment, args.overrides)
+        check_user_model(exp)
         outcome = run_search(exp, warm_start=args.warm_start, **where)
     return 0 if outcome.best() else 1
 

@@ -24,6 +24,7 @@ from mbtune.rundir import RunDir
 
 __all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
 
+
 def search_points(exp: Experiment) -> list[BatchConfig]:
     """The distinct measurements of the experiment's space (canonical micro-batch sizes)."""
     return sorted({c.canonical() for c in exp.configs()})
