@@ -63,8 +63,7 @@ def load_table(path: Path) -> dict[BatchConfig, float | None]:
     table: dict[BatchConfig, float | None] = {}
     with path.open() as f:
         for row in csv.DictReader(f):
-            c = BatchConfig(int(row["batch_size"]), int(row["num_devices"]),
-                            int(row["micro_batch_size"]))  # fmt: skip
+            c = BatchConfig.from_mapping(row)
             ok = row.get("status", "ok") in ("ok", "") and row["samples_per_s"]
             table[c] = float(row["samples_per_s"]) if ok else None
     return table
@@ -79,7 +78,7 @@ def trials_to_near_best(table, sampler: str, seed: int, noise: float = 0.03) -> 
         params = searcher.suggest(f"t{i}")
         if params in (None, Searcher.FINISHED):
             break
-        c = BatchConfig(params["batch_size"], params["num_devices"], params["micro_batch_size"])
+        c = BatchConfig.from_mapping(params)
         if c in good:
             return i
         true = table[c]

@@ -302,14 +302,7 @@ class Experiment:
                         for k, v in dataclasses.asdict(self.search).items()
                         if k not in ("space", "start_points")
                     },
-                    "start_points": [
-                        {
-                            "batch_size": p.batch_size,
-                            "num_devices": p.num_devices,
-                            "micro_batch_size": p.micro_batch_size,
-                        }
-                        for p in self.search.start_points
-                    ],  # fmt: skip
+                    "start_points": [p.sizes() for p in self.search.start_points],
                     "space": {
                         k: v
                         for k, v in dataclasses.asdict(self.search.space).items()

@@ -16,8 +16,9 @@ allowed only where the mode or ``allow_uneven`` says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mbtune.errors import MbtuneError
 
@@ -237,7 +238,21 @@ class BatchConfig:
         """The same measurement, named by the micro-batch it really runs."""
         return BatchConfig(self.batch_size, self.num_devices, self.canonical_micro_batch_size)
 
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> BatchConfig:
+        """From a mapping with the three sizes (ints, or text as read from a CSV)."""
+        return cls(int(data["batch_size"]), int(data["num_devices"]), int(data["micro_batch_size"]))
+
+    def sizes(self) -> dict[str, int]:
+        """The three sizes that name the configuration."""
+        return {
+            "batch_size": self.batch_size,
+            "num_devices": self.num_devices,
+            "micro_batch_size": self.micro_batch_size,
+        }
+
     def as_dict(self) -> dict[str, int]:
+        """The three sizes and what follows from them."""
         return {
             "batch_size": self.batch_size,
             "num_devices": self.num_devices,

@@ -17,10 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray import tune
+from ray.tune import Callback
+
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.rundir import RunDir
+from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
 
@@ -52,8 +56,6 @@ def run_search(
     echo: Any = print,
 ) -> SearchOutcome:
     """Search ``exp``'s space and return what was measured; writes a run directory."""
-    from ray import tune
-
     from mbtune.searchers import make_searcher
 
     points = search_points(exp)
@@ -85,7 +87,7 @@ def run_search(
             name=RAY_DIR,
             storage_path=str(run.path.resolve()),
             verbose=1 if verbose else 0,
-            callbacks=[_TrialLog(run, echo)],
+            callbacks=[TrialLog(run, echo)],
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
@@ -100,8 +102,6 @@ def resume_search(
     verbose: bool = False,
 ) -> SearchOutcome:
     """Continue an interrupted search: finished trials are kept, unfinished ones rerun."""
-    from ray import tune
-
     from mbtune.config import load_experiment
 
     run = RunDir.open(path, flag="--resume")
@@ -131,8 +131,6 @@ def _fit(tuner: Any, run: RunDir, echo: Any) -> SearchOutcome:
 def _start_ray(
     exp: Experiment, address: str | None, dashboard: bool | None, verbose: bool, echo: Any
 ) -> None:
-    import ray
-
     address = address if address is not None else exp.ray.address
     dashboard = dashboard if dashboard is not None else exp.ray.dashboard
     _init_ray(address, dashboard, verbose)
@@ -141,8 +139,6 @@ def _start_ray(
 
 
 def _trainable_for(exp: Experiment) -> Any:
-    from ray import tune
-
     return tune.with_resources(
         tune.with_parameters(
             _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
@@ -157,9 +153,7 @@ def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -
     told = 0
     for row in earlier.trials():
         try:
-            config = BatchConfig(
-                int(row["batch_size"]), int(row["num_devices"]), int(row["micro_batch_size"])
-            ).canonical()
+            config = BatchConfig.from_mapping(row).canonical()
         except (KeyError, ValueError):
             continue
         if config not in space:
@@ -179,8 +173,6 @@ def _optuna_storage(run: RunDir) -> Any:
 
 
 def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
-    import ray
-
     if address and address != "auto":
         _check_reachable(address)
     if ray.is_initialized():
@@ -226,9 +218,7 @@ def _trainable(
     config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
 ) -> None:
     """Run one trial in a fresh process and report what it measured to Tune."""
-    from ray import tune
-
-    batch = BatchConfig(config["batch_size"], config["num_devices"], config["micro_batch_size"])
+    batch = BatchConfig.from_mapping(config)
     tune.report(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s))
 
 
@@ -269,58 +259,37 @@ def measure_in_subprocess(
 # what the user sees
 
 
-def _make_callback_class() -> type:
-    from ray.tune import Callback
+class TrialLog(Callback):
+    """Appends every finished trial to trials.csv (flushed) and prints one line."""
 
-    class TrialLog(Callback):
-        """Appends every finished trial to trials.csv (flushed) and prints one line."""
+    def __init__(self, run: RunDir, echo: Any) -> None:
+        self.run, self.echo = run, echo
+        self.results: dict[str, dict[str, Any]] = {}
 
-        def __init__(self, run: RunDir, echo: Any) -> None:
-            self.run, self.echo = run, echo
-            self.results: dict[str, dict[str, Any]] = {}
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.results[trial.trial_id] = result
 
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            self.results[trial.trial_id] = result
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._finish(trial, self.results.pop(trial.trial_id, None))
 
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            self._finish(trial, self.results.pop(trial.trial_id, None))
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
 
-        def on_trial_error(self, iteration, trials, trial, **info):
-            self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
-
-        def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
-            finished = self.run.trials()
-            if any(r.get("trial_id") == trial.trial_id for r in finished):
-                return  # recorded before an interruption; Ray's state had not caught up
-            cfg = trial.config
-            row: dict[str, Any] = {
-                "batch_size": cfg.get("batch_size"),
-                "num_devices": cfg.get("num_devices"),
-                "micro_batch_size": cfg.get("micro_batch_size"),
-                "status": "error",
-                "reason": "the trial actor failed" if crashed else "no result",
-            }
-            row.update({k: v for k, v in (result or {}).items() if k in _ROW_KEYS})
-            row["trial"] = len(finished) + 1
-            row["trial_id"] = trial.trial_id
-            row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-            self.run.append_trial(row)
-            self.echo(_trial_line(row))
-
-    return TrialLog
-
-
-_ROW_KEYS = {
-    "status", "batch_size", "num_devices", "micro_batch_size", "per_device_batch",
-    "grad_accum_steps", "pipeline_stages", "samples_per_s", "samples_per_s_per_device",
-    "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms",
-    "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s",
-    "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note",
-}  # fmt: skip
-
-
-def _TrialLog(run: RunDir, echo: Any) -> Any:  # noqa: N802
-    return _make_callback_class()(run, echo)
+    def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
+        finished = self.run.trials()
+        if any(r.get("trial_id") == trial.trial_id for r in finished):
+            return  # recorded before an interruption; Ray's state had not caught up
+        row: dict[str, Any] = {
+            **BatchConfig.from_mapping(trial.config).sizes(),
+            "status": "error",
+            "reason": "the trial actor failed" if crashed else "no result",
+        }
+        row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
+        row["trial"] = len(finished) + 1
+        row["trial_id"] = trial.trial_id
+        row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self.run.append_trial(row)
+        self.echo(_trial_line(row))
 
 
 def _trial_line(row: dict[str, Any]) -> str:

@@ -48,18 +48,6 @@ MAX_REPEATS = 200
 """Proposals in a row answered from the cache before the space counts as exhausted."""
 
 
-def to_config(config: dict[str, Any]) -> BatchConfig:
-    return BatchConfig(config["batch_size"], config["num_devices"], config["micro_batch_size"])
-
-
-def _as_params(c: BatchConfig) -> dict[str, int]:
-    return {
-        "batch_size": c.batch_size,
-        "num_devices": c.num_devices,
-        "micro_batch_size": c.micro_batch_size,
-    }
-
-
 # ---------------------------------------------------------------------------
 # Optuna
 
@@ -170,7 +158,7 @@ class _ListSearcher(Searcher):
         if point is None or point == Searcher.FINISHED:
             return point
         self.pending[trial_id] = point  # type: ignore[assignment]
-        return _as_params(point)  # type: ignore[arg-type]
+        return point.sizes()  # type: ignore[union-attr]
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         point = self.pending.pop(trial_id, None)
@@ -295,7 +283,7 @@ class DedupSearcher(Searcher):
             point = self.key(self.queue.pop(0))
             if point not in self.measured and point not in self._running_points():
                 self.running[trial_id] = (point, None)
-                return _as_params(point)
+                return point.sizes()
         for _ in range(MAX_REPEATS):
             if self._remaining() == 0:
                 return Searcher.FINISHED
@@ -304,7 +292,7 @@ class DedupSearcher(Searcher):
             params = self.inner.suggest(inner_id)
             if params is None or params == Searcher.FINISHED:
                 return params
-            point = self.key(to_config(params))
+            point = self.key(BatchConfig.from_mapping(params))
             if point in self.measured:
                 self.inner.on_trial_complete(inner_id, {METRIC: self.measured[point]})
                 continue
@@ -312,7 +300,7 @@ class DedupSearcher(Searcher):
                 self.inner.on_trial_complete(inner_id, None, error=True)
                 continue
             self.running[trial_id] = (point, inner_id)
-            return {**params, **_as_params(point)}
+            return {**params, **point.sizes()}
         return Searcher.FINISHED
 
     def _running_points(self) -> set[BatchConfig]:
@@ -331,7 +319,7 @@ class DedupSearcher(Searcher):
             self.full_batch_only = True
         self.measured[point] = value
         if result and "micro_batch_size" in result:  # what really ran (e.g. after halving)
-            self.measured[self.key(to_config(result))] = value
+            self.measured[self.key(BatchConfig.from_mapping(result))] = value
         if inner_id is None:  # a start point: the proposer did not ask for it
             self.tell(point, value, measured=True)
         else:

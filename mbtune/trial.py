@@ -264,27 +264,16 @@ def _timed_steps(
     # p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
     bubble_share = lattice.bubble_fraction(p, config.grad_accum_steps)
     steps = [c / p * (1 + bubble_share) + comm for c in compute]
-    median = statistics.median(steps)
     compute_median = statistics.median(compute)
-    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
-    samples_per_s = config.batch_size / median
-    status, reason = "ok", None
-    if tr.device_memory is not None and peak is not None and peak > tr.device_memory:
-        status = "oom"
-        reason = (
-            f"peak memory {peak / 2**20:.0f} MiB is above the budget trial.device_memory "
-            f"{tr.device_memory / 2**20:.0f} MiB"
-        )
+    result = _with_step_times(base, config, steps)
+    over = _over_budget(tr.device_memory, peak)
     return dataclasses.replace(
-        base,
-        status=status,
-        reason=reason,
-        samples_per_s=samples_per_s,
-        samples_per_s_per_device=samples_per_s / config.num_devices,
-        tokens_per_s=samples_per_s * spec.tokens_per_sample if spec.tokens_per_sample else None,
-        step_time_ms_median=median * 1e3,
-        step_time_ms_iqr=(q[2] - q[0]) * 1e3,
-        step_times_ms=tuple(s * 1e3 for s in steps),
+        result,
+        status="oom" if over else "ok",
+        reason=over,
+        tokens_per_s=result.samples_per_s * spec.tokens_per_sample
+        if spec.tokens_per_sample
+        else None,
         compute_time_ms=compute_median / p * 1e3,
         comm_time_ms=comm * 1e3,
         bubble_time_ms=compute_median / p * bubble_share * 1e3,
@@ -439,8 +428,7 @@ class ReplayTable:
 
     def _add(self, row: dict[str, str], line: int) -> None:
         try:
-            b, n, m = (int(row[k]) for k in self.REQUIRED[:3])
-            config = BatchConfig(b, n, m)
+            config = BatchConfig.from_mapping(row)
             status = (row.get("status") or "ok").strip()
             speed = float(row["samples_per_s"]) if row["samples_per_s"] not in ("", None) else None
             peak = row.get("peak_memory_bytes")
@@ -485,28 +473,16 @@ def _replay(exp: Experiment, config: BatchConfig) -> TrialResult:
     base = dataclasses.replace(base, backend="replay", peak_memory_bytes=peak)
     if row["status"] != "ok":
         return dataclasses.replace(base, status=row["status"], reason="as recorded in the table")
-    if tr.device_memory is not None and peak is not None and peak > tr.device_memory:
-        return dataclasses.replace(
-            base, status="oom", reason=f"peak memory {peak} B is above trial.device_memory"
-        )
+    over = _over_budget(tr.device_memory, peak)
+    if over:
+        return dataclasses.replace(base, status="oom", reason=over)
     # seeded per configuration, so a replayed trial is repeatable whatever ran before it
     rng = random.Random(hash((exp.search.seed, config.batch_size, config.num_devices,
                               config.micro_batch_size)))  # fmt: skip
     step_s = config.batch_size / row["samples_per_s"]
     steps = [step_s * max(0.05, 1 + tr.noise * rng.gauss(0, 1)) for _ in range(tr.measure_steps)]
-    median = statistics.median(steps)
-    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
-    speed = config.batch_size / median
-    return dataclasses.replace(
-        base,
-        status="ok",
-        samples_per_s=speed,
-        samples_per_s_per_device=speed / config.num_devices,
-        step_time_ms_median=median * 1e3,
-        step_time_ms_iqr=(q[2] - q[0]) * 1e3,
-        step_times_ms=tuple(s * 1e3 for s in steps),
-        compute_time_ms=median * 1e3,
-    )
+    result = _with_step_times(base, config, steps)
+    return dataclasses.replace(result, status="ok", compute_time_ms=result.step_time_ms_median)
 
 
 # ---------------------------------------------------------------------------
@@ -531,10 +507,37 @@ def _base_result(
     )
 
 
+def _with_step_times(base: TrialResult, config: BatchConfig, steps: list[float]) -> TrialResult:
+    """Every step time (seconds), their median and IQR, and the throughput they give."""
+    median = statistics.median(steps)
+    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
+    speed = config.batch_size / median
+    return dataclasses.replace(
+        base,
+        samples_per_s=speed,
+        samples_per_s_per_device=speed / config.num_devices,
+        step_time_ms_median=median * 1e3,
+        step_time_ms_iqr=(q[2] - q[0]) * 1e3,
+        step_times_ms=tuple(s * 1e3 for s in steps),
+    )
+
+
+def _over_budget(budget: int | None, peak: int | None) -> str | None:
+    """Why the peak memory means out of memory (``trial.device_memory``), or None."""
+    if budget is None or peak is None or peak <= budget:
+        return None
+    return (
+        f"peak memory {peak / 2**20:.0f} MiB is above the budget trial.device_memory "
+        f"{budget / 2**20:.0f} MiB"
+    )
+
+
 def _with_timeout(timeout_s: float, fn: Callable[[], TrialResult]) -> TrialResult | None:
     """Run ``fn``; past ``timeout_s`` stop it (main thread only) and return None."""
     if threading.current_thread() is not threading.main_thread():
-        return fn()  # Ray stops trials that overrun from outside
+        # no alarm off the main thread; the search's trial process is killed from outside
+        # at timeout_s + 60 s instead (search.measure_in_subprocess)
+        return fn()
 
     def on_alarm(signum: int, frame: Any) -> None:
         raise _TrialTimeout
@@ -576,8 +579,7 @@ def _worker_main() -> int:
 
     request = json.loads(sys.stdin.read())
     exp = parse_experiment(request["experiment"])
-    c = request["config"]
-    config = BatchConfig(c["batch_size"], c["num_devices"], c["micro_batch_size"])
+    config = BatchConfig.from_mapping(request["config"])
     try:
         result = run_trial(exp, config)
     except MbtuneError as e:

@@ -129,7 +129,7 @@ def drive_some(searcher, k):
     out = []
     for i in range(k):
         params = searcher.suggest(f"a{i}")
-        c = BatchConfig(params["batch_size"], params["num_devices"], params["micro_batch_size"])
+        c = BatchConfig.from_mapping(params)
         searcher.on_trial_complete(f"a{i}", {METRIC: speed(c), **params})
         out.append(c)
     return out
