@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-MBTUNE = Path(sys.executable).with_name("mbtune")
+from _common import BENCH, MBTUNE, ROOT, machine, save
 
 
 def run(output_dir: str, *overrides: str) -> tuple[float, Path]:
@@ -50,6 +48,7 @@ def key(r: dict[str, str]) -> tuple[int, int, int]:
 
 
 def main() -> int:
+    info = machine()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         wall, default_dir = run(a)
         grid_wall, grid_dir = run(b, "search.sampler=grid", "search.num_samples=100")
@@ -58,7 +57,7 @@ def main() -> int:
     grid_speed = {key(r): float(r["samples_per_s"]) for r in grid_rows if r["status"] == "ok"}
     ratio = grid_speed.get(key(chosen), 0.0) / float(truth["samples_per_s"])
 
-    landscape = HERE / "landscapes" / "gpt_cpu.csv"
+    landscape = BENCH / "landscapes" / "gpt_cpu.csv"
     landscape.parent.mkdir(exist_ok=True)
     with landscape.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -78,8 +77,7 @@ def main() -> int:
         "same": key(chosen) == key(truth),
     }
     print(json.dumps(result, indent=1))
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "quickstart.json").write_text(json.dumps(result, indent=1))
+    save("quickstart", info, result)
     return 0
 
 

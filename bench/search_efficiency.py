@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import random
 import statistics
@@ -33,12 +32,12 @@ import time
 import warnings
 from pathlib import Path
 
+from _common import BENCH, machine, save
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig, enumerate_configs
 from mbtune.searchers import METRIC, make_searcher
 
-HERE = Path(__file__).resolve().parent
 SAMPLERS = ("tpe", "gp", "random", "grid", "halving", "doubling")
 
 
@@ -93,8 +92,9 @@ def main() -> int:
     parser.add_argument("--samplers", nargs="*", default=list(SAMPLERS))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    info = machine()
     landscapes = {"saturating": synthetic("saturating"), "dip": synthetic("dip")}
-    measured = HERE / "landscapes" / "gpt_cpu.csv"
+    measured = BENCH / "landscapes" / "gpt_cpu.csv"
     if measured.exists():
         landscapes = {"gpt_cpu": load_table(measured), **landscapes}
     else:
@@ -119,10 +119,8 @@ def main() -> int:
             }  # fmt: skip
             print(f"  {sampler:<9} {statistics.median(counts):>7.1f} {q[2]:>6.1f} "
                   f"{found:>3}/{args.seeds:<2} {seconds:>9.2f}")  # fmt: skip
-    out = HERE / "results" / "search_efficiency.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"\nraw figures: {out.relative_to(HERE.parent)}")
+    out = save("search_efficiency", info, results)
+    print(f"\nraw figures: {out.relative_to(BENCH.parent)}")
     return 0
 
 

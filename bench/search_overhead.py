@@ -22,11 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-MBTUNE = Path(sys.executable).with_name("mbtune")
+from _common import MBTUNE, QUICKSTART, ROOT, machine, save
+
 SIZES = [2, 4, 8, 16, 32]
 OVERRIDES = [
     "search.space.num_devices=[1]",
@@ -44,7 +42,7 @@ def plain_loop() -> float:
     from mbtune.trial import run_trial
 
     started = time.perf_counter()
-    exp = load_experiment(ROOT / "experiments" / "quickstart.yaml", OVERRIDES)
+    exp = load_experiment(QUICKSTART, OVERRIDES)
     for m in SIZES:
         torch._dynamo.reset()
         result = run_trial(exp, BatchConfig(exp.train_input.batch_size, 1, m))
@@ -58,7 +56,7 @@ def subprocess_loop() -> float:
     from mbtune.search import measure_in_subprocess
 
     started = time.perf_counter()
-    exp = load_experiment(ROOT / "experiments" / "quickstart.yaml", OVERRIDES)
+    exp = load_experiment(QUICKSTART, OVERRIDES)
     for m in SIZES:
         config = BatchConfig(exp.train_input.batch_size, 1, m)
         result = measure_in_subprocess(exp.to_dict(), config, cwd=str(ROOT), timeout_s=600)
@@ -80,6 +78,7 @@ def with_mbtune() -> float:
 
 
 def main() -> int:
+    info = machine()
     plain_loop()  # fills the compile cache: every arm below starts warm
     rounds = [(plain_loop(), subprocess_loop(), with_mbtune()) for _ in range(2)]
     plain, processes, tuned = (min(r[i] for r in rounds) for i in range(3))
@@ -94,8 +93,7 @@ def main() -> int:
         "process_s_per_trial": (processes - plain) / len(SIZES),
     }
     print(json.dumps(result, indent=1))
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "search_overhead.json").write_text(json.dumps(result, indent=1))
+    save("search_overhead", info, result)
     return 0
 
 
