@@ -1,0 +1,268 @@
+"""The confidence score: how likely is the recommendation within 2% of the best?
+
+Pure numerics (numpy; neither torch nor ray). The method, in the order the code runs it
+(``docs/confidence.md`` has the reasoning and the calibration figures):
+
+1. **Feasible region.** Every distinct configuration of the space is a candidate, except
+   those that cannot win: a configuration that failed (``error``, ``timeout``) and every
+   configuration whose micro-batch is at least as large as one that ran out of memory
+   (memory grows with the micro-batch a device runs, whatever n and B are).
+2. **Measurement noise.** Each trial keeps every step time. The relative spread of step
+   times is pooled over all trials (one trial's few steps say little on their own) and
+   turned into the variance of the log of each trial's median, plus a floor for the
+   run-to-run drift one trial cannot see (``noise_floor``).
+3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B) is a
+   Gaussian process: a constant, a linear trend (throughput scales with devices and
+   saturates with m) and a smooth Matern-5/2 deviation from it. Its two shape
+   hyperparameters (length scale, amplitude) are not fixed but averaged over a grid,
+   each weighted by how well it explains the measurements (Bayesian model averaging):
+   with few measurements many shapes remain possible, and the score stays low.
+4. **The score.** Joint samples of the true objective of every feasible configuration,
+   measured or not, are drawn from the posterior. The recommendation is the measured
+   configuration with the highest posterior mean; the score is the fraction of samples
+   in which it is within ``tolerance`` of the sample's best, in percent, capped at 99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mbtune.lattice import BatchConfig
+
+__all__ = ["Assessment", "Observation", "assess", "relative_step_noise"]
+
+TOLERANCE = 0.02
+"""Within 2% of the best counts as right."""
+
+MAX_SCORE = 99
+"""The score is a probability in percent and never claims certainty."""
+
+DEFAULT_NOISE = 0.03
+"""Relative step-time spread assumed while no trial has kept two step times."""
+
+_LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
+_AMPLITUDES = (0.02, 0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
+_TREND_SD = 1.0  # prior sd of the trend's slope per octave (throughput ~ n has slope ln 2)
+_LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
+_MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see _threats)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One finished trial, as the confidence math sees it."""
+
+    config: BatchConfig
+    """The canonical configuration measured."""
+    status: str
+    """``ok``, ``oom``, ``error`` or ``timeout``."""
+    value: float | None = None
+    """The objective (samples/s, or per device), for ``ok``."""
+    step_times_ms: tuple[float, ...] = ()
+    """Every timed step, to estimate the measurement's noise."""
+    oom_micro_batch_sizes: tuple[int, ...] = ()
+    """Micro-batch sizes that ran out of memory on the way (``trial.on_oom: halve``)."""
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The recommendation after some trials, and how sure it is."""
+
+    recommended: BatchConfig | None
+    value: float | None
+    """The recommended configuration's measured objective."""
+    confidence: int
+    """0..99: the probability, in percent, that it is within 2% of the best."""
+    probability: float
+    feasible: int
+    """Configurations that can still win (measured or not)."""
+    unmeasured: int
+    """Of those, how many were never measured."""
+    p_best: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """For each feasible configuration, the probability that it is the fastest."""
+
+
+def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int]:
+    """The pooled relative sd of step times, and its degrees of freedom (0: none seen)."""
+    squares, dof = 0.0, 0
+    for o in observations:
+        times = np.asarray(o.step_times_ms, dtype=float)
+        if o.status != "ok" or len(times) < 2 or not np.all(times > 0):
+            continue
+        squares += float(np.var(np.log(times), ddof=1)) * (len(times) - 1)
+        dof += len(times) - 1
+    return (math.sqrt(squares / dof), dof) if dof else (DEFAULT_NOISE, 0)
+
+
+def assess(
+    points: Sequence[BatchConfig],
+    observations: Sequence[Observation],
+    *,
+    tolerance: float = TOLERANCE,
+    noise_floor: float = 0.0,
+    samples: int = 4000,
+    seed: int = 0,
+) -> Assessment:
+    """Recommend a measured configuration and score it, over the space ``points``."""
+    latest = {o.config: o for o in observations}  # a re-measurement replaces the first
+    feasible = _feasible(points, latest.values())
+    ok = [o for o in latest.values() if o.status == "ok" and o.value and o.config in feasible]
+    if not ok:
+        return Assessment(None, None, 0, 0.0, len(feasible), len(feasible))
+    spread, _ = relative_step_noise(ok)
+    noise_var = np.array(
+        [(math.pi / 2) * spread**2 / max(1, len(o.step_times_ms)) + noise_floor**2 for o in ok]
+    )
+    scale = _Scale(points)
+    candidates = sorted(feasible)
+    z = scale(candidates)
+    gp = _Mixture(scale(o.config for o in ok), np.log([o.value for o in ok]), noise_var)
+    mean = gp.mean(z)
+    index = {c: i for i, c in enumerate(candidates)}
+    measured = [index[o.config] for o in ok]
+    best_measured = max(measured, key=lambda i: mean[i])
+    keep = _threats(gp, z, mean, best_measured, tolerance)
+    draws = gp.sample(z[keep], samples, seed)
+    r = keep.index(best_measured)
+    within = draws[:, r] >= draws.max(axis=1) + math.log(1 - tolerance)
+    probability = float(within.mean())
+    winners = np.bincount(draws.argmax(axis=1), minlength=len(keep)) / len(draws)
+    recommended = candidates[best_measured]
+    return Assessment(
+        recommended=recommended,
+        value=latest[recommended].value,
+        confidence=min(MAX_SCORE, int(probability * 100)),
+        probability=probability,
+        feasible=len(candidates),
+        unmeasured=len(candidates) - len(ok),
+        p_best={candidates[i]: float(p) for i, p in zip(keep, winners, strict=True)},
+    )
+
+
+def _feasible(points: Sequence[BatchConfig], observed: Iterable[Observation]) -> set[BatchConfig]:
+    """The configurations that can still win: not failed, not above an out-of-memory size."""
+    failed: set[BatchConfig] = set()
+    oom_at = math.inf
+    for o in observed:
+        if o.status == "oom":
+            oom_at = min(oom_at, o.config.micro_batch_size)
+        elif o.status != "ok":
+            failed.add(o.config)
+        for m in o.oom_micro_batch_sizes:
+            oom_at = min(oom_at, m)
+    return {
+        c
+        for c in (p.canonical() for p in points)
+        if c not in failed and c.micro_batch_size < oom_at
+    }
+
+
+def _features(c: BatchConfig) -> tuple[float, float, float]:
+    return (math.log2(c.micro_batch_size), math.log2(c.num_devices), math.log2(c.batch_size))
+
+
+class _Scale:
+    """Features in octaves, centred on the space, so the linear trend pivots at its middle."""
+
+    def __init__(self, points: Sequence[BatchConfig]) -> None:
+        self.centre = np.mean([_features(p) for p in points], axis=0)
+
+    def __call__(self, configs: Iterable[BatchConfig]) -> np.ndarray:
+        return np.array([_features(c) for c in configs]) - self.centre
+
+
+def _threats(gp: _Mixture, z: np.ndarray, mean: np.ndarray, best: int, tolerance: float):
+    """The candidates that could plausibly beat the best measured one (at most a few hundred).
+
+    Joint sampling costs the cube of the candidates; a configuration whose marginal
+    posterior puts it far below the best measured one cannot change the score.
+    """
+    if len(z) <= _MAX_CANDIDATES:
+        return list(range(len(z)))
+    sd = gp.sd(z)
+    margin = (mean - mean[best] - math.log(1 - tolerance)) / np.maximum(sd, 1e-9)
+    order = [i for i in np.argsort(-margin) if i != best][: _MAX_CANDIDATES - 1]
+    return sorted([best, *order])
+
+
+class _Mixture:
+    """Gaussian processes over log objective, averaged over their shape hyperparameters."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, noise_var: np.ndarray) -> None:
+        self.x = x
+        self.level = float(np.mean(y))
+        self.y = y - self.level
+        self.fits = []
+        for length in _LENGTH_SCALES:
+            for amplitude in _AMPLITUDES:
+                k = self._kernel(x, x, length, amplitude) + np.diag(noise_var)
+                chol = _cholesky(k)
+                alpha = _solve(chol, self.y)
+                log_ml = -0.5 * self.y @ alpha - np.log(np.diag(chol)).sum()
+                self.fits.append((log_ml, length, amplitude, chol, alpha))
+        log_w = np.array([f[0] for f in self.fits])
+        w = np.exp(log_w - log_w.max())
+        self.weights = w / w.sum()
+
+    def _kernel(self, a: np.ndarray, b: np.ndarray, length: float, amplitude: float):
+        d = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5) / length
+        matern = (1 + d + d**2 / 3) * np.exp(-d)
+        trend = a @ b.T
+        return amplitude**2 * matern + _TREND_SD**2 * trend + _LEVEL_SD**2
+
+    def _posterior(self, z: np.ndarray, fit, *, joint: bool = True):
+        """Mean and covariance at ``z`` (with ``joint=False``: only the variances)."""
+        _, length, amplitude, chol, alpha = fit
+        kzx = self._kernel(z, self.x, length, amplitude)
+        mean = self.level + kzx @ alpha
+        v = np.linalg.solve(chol, kzx.T)
+        if joint:
+            return mean, self._kernel(z, z, length, amplitude) - v.T @ v
+        prior = amplitude**2 + _TREND_SD**2 * (z**2).sum(axis=1) + _LEVEL_SD**2
+        return mean, np.clip(prior - (v**2).sum(axis=0), 0, None)
+
+    def mean(self, z: np.ndarray) -> np.ndarray:
+        return sum(
+            w * self._posterior(z, f, joint=False)[0]
+            for w, f in zip(self.weights, self.fits, strict=True)
+        )
+
+    def sd(self, z: np.ndarray) -> np.ndarray:
+        """The mixture's marginal sd (its variance includes the spread of the means)."""
+        parts = [
+            (w, *self._posterior(z, f, joint=False))
+            for w, f in zip(self.weights, self.fits, strict=True)
+        ]
+        mean = sum(w * m for w, m, _ in parts)
+        return np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
+
+    def sample(self, z: np.ndarray, n: int, seed: int) -> np.ndarray:
+        """``n`` joint draws of the latent log objective at ``z`` (rows: draws)."""
+        rng = np.random.default_rng(seed)
+        counts = rng.multinomial(n, self.weights)
+        draws = []
+        for count, fit in zip(counts, self.fits, strict=True):
+            if count:
+                mean, cov = self._posterior(z, fit)
+                root = _cholesky(cov)
+                draws.append(mean + rng.standard_normal((count, len(z))) @ root.T)
+        return np.vstack(draws)
+
+
+def _cholesky(a: np.ndarray) -> np.ndarray:
+    """Lower Cholesky factor, with just enough jitter for a matrix that is PSD in theory."""
+    a = (a + a.T) / 2
+    jitter = 1e-10 * max(1.0, float(np.mean(np.diag(a))))
+    for _ in range(8):
+        try:
+            return np.linalg.cholesky(a + jitter * np.eye(len(a)))
+        except np.linalg.LinAlgError:
+            jitter *= 10
+    raise np.linalg.LinAlgError("covariance is not positive semi-definite")
+
+
+def _solve(chol: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.linalg.solve(chol.T, np.linalg.solve(chol, y))
