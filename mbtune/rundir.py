@@ -3,6 +3,7 @@
 NAME-YYYYmmdd-HHMMSS/
     experiment.yaml   the resolved experiment
     trials.csv        one row per finished trial, appended and flushed at once
+    recommendations.jsonl  the recommendation after each finished trial (one JSON a line)
     summary.json      the final summary (written atomically)
     optuna.db         the Optuna study (open it with optuna-dashboard)
     ray/              Ray Tune's own experiment state
@@ -68,6 +69,10 @@ class RunDir:
         return self.path / "trials.csv"
 
     @property
+    def recommendations_file(self) -> Path:
+        return self.path / "recommendations.jsonl"
+
+    @property
     def ray_dir(self) -> Path:
         return self.path / "ray"
 
@@ -95,6 +100,25 @@ class RunDir:
             return []
         with self.trials_file.open(newline="", encoding="utf-8") as f:
             return [row for row in csv.DictReader(f) if row.get("trial")]
+
+    def append_recommendation(self, record: Mapping[str, Any]) -> None:
+        """Append one recommendation record and flush it to disk before returning."""
+        with self.recommendations_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(dict(record)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def recommendations(self) -> list[dict[str, Any]]:
+        """Every recommendation so far (a line cut short by a killed driver is skipped)."""
+        if not self.recommendations_file.exists():
+            return []
+        records = []
+        for line in self.recommendations_file.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
 
     def write_json(self, name: str, data: Any) -> None:
         _atomic_write(self.path / name, json.dumps(data, indent=2, default=str) + "\n")

@@ -24,6 +24,7 @@ from ray.tune import Callback
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.reporter import Reporter
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
@@ -36,10 +37,11 @@ def search_points(exp: Experiment) -> list[BatchConfig]:
 
 @dataclass(frozen=True)
 class SearchOutcome:
-    """A finished (or stopped) search: its run directory and every trials.csv row."""
+    """A finished (or stopped) search: its run directory, every trials.csv row, summary."""
 
     run: RunDir
     rows: list[dict[str, str]]
+    summary: dict[str, Any]
 
     def best(self, k: int = 5) -> list[dict[str, str]]:
         ok = [r for r in self.rows if r["status"] == "ok" and r["objective"]]
@@ -74,6 +76,8 @@ def run_search(
         f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
         f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
     )
+    reporter = _reporter_for(exp, points, run)
+    log = TrialLog(run, echo, reporter)
     tuner = tune.Tuner(
         _trainable_for(exp),
         tune_config=tune.TuneConfig(
@@ -87,11 +91,12 @@ def run_search(
             name=RAY_DIR,
             storage_path=str(run.path.resolve()),
             verbose=1 if verbose else 0,
-            callbacks=[TrialLog(run, echo)],
+            callbacks=[log],
+            stop=ConfidenceStop(log, s.confidence_target),
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    return _fit(tuner, run, echo)
+    return _fit(tuner, run, exp, reporter, echo)
 
 
 def resume_search(
@@ -111,21 +116,42 @@ def resume_search(
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
     _start_ray(exp, address, dashboard, verbose, print)
     print(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    reporter = _reporter_for(exp, search_points(exp), run)
+    # the callbacks and the stopper come back with Ray's saved state; they keep theirs
+    # in the run directory
     tuner = tune.Tuner.restore(
         str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
     )
-    return _fit(tuner, run, print)
+    return _fit(tuner, run, exp, reporter, print)
 
 
 RAY_DIR = "ray"
 """Ray Tune's own experiment state, inside the run directory."""
 
 
-def _fit(tuner: Any, run: RunDir, echo: Any) -> SearchOutcome:
+def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any) -> SearchOutcome:
     tuner.fit()
-    outcome = SearchOutcome(run, run.trials())
-    _print_best(outcome, echo)
+    rows, history = run.trials(), run.recommendations()
+    target = exp.search.confidence_target
+    confident = bool(history) and history[-1]["confidence"] >= target
+    status = "confident" if confident else "finished"
+    summary = reporter.summary(rows, status, history)
+    run.write_json("summary.json", summary)
+    if status == "confident":
+        echo(f"mbtune: stopping: the confidence score reached its target {target}")
+    outcome = SearchOutcome(run, rows, summary)
+    _print_summary(outcome, echo)
     return outcome
+
+
+def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Reporter:
+    return Reporter(
+        points,
+        user_config=exp.train_input.config,
+        user_batch_size=exp.train_input.batch_size,
+        noise_floor=exp.noise_floor,
+        seed=exp.search.seed,
+    )
 
 
 def _start_ray(
@@ -260,17 +286,21 @@ def measure_in_subprocess(
 
 
 class TrialLog(Callback):
-    """Appends every finished trial to trials.csv (flushed) and prints one line."""
+    """After every finished trial: append it to trials.csv (flushed), print its line, then
+    the reporter's recommendation (printed and appended to recommendations.jsonl)."""
 
-    def __init__(self, run: RunDir, echo: Any) -> None:
-        self.run, self.echo = run, echo
+    def __init__(self, run: RunDir, echo: Any, reporter: Reporter) -> None:
+        self.run, self.echo, self.reporter = run, echo, reporter
         self.results: dict[str, dict[str, Any]] = {}
+        self.confidence = 0
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self.results[trial.trial_id] = result
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self._finish(trial, self.results.pop(trial.trial_id, None))
+        result = self.results.pop(trial.trial_id, None)
+        if result is not None:  # None: stopped before it reported, e.g. once confident
+            self._finish(trial, result)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
@@ -290,6 +320,24 @@ class TrialLog(Callback):
         row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         self.run.append_trial(row)
         self.echo(_trial_line(row))
+        rec = self.reporter.update(self.run.trials(), self.run.recommendations())
+        if rec is not None:
+            self.run.append_recommendation(rec.record())
+            self.confidence = rec.confidence
+            self.echo(rec.line())
+
+
+class ConfidenceStop(tune.Stopper):
+    """Stops the search once the reporter's confidence score reaches the target."""
+
+    def __init__(self, log: TrialLog, target: int) -> None:
+        self.log, self.target = log, target
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return False  # a trial reports once; only the whole search is stopped
+
+    def stop_all(self) -> bool:
+        return self.log.confidence >= self.target
 
 
 def _trial_line(row: dict[str, Any]) -> str:
@@ -303,20 +351,49 @@ def _trial_line(row: dict[str, Any]) -> str:
     )
 
 
-def _print_best(outcome: SearchOutcome, echo: Any) -> None:
-    best = outcome.best()
-    rows = outcome.rows
+def _print_summary(outcome: SearchOutcome, echo: Any) -> None:
+    rows, summary = outcome.rows, outcome.summary
     failed = sum(r["status"] != "ok" for r in rows)
     echo(f"mbtune: {len(rows)} trials finished ({failed} not ok); results in {outcome.run.path}")
-    if not best:
+    best = summary["recommended"]
+    if best is None:
         echo("mbtune: no configuration ran successfully")
         return
+    user = (
+        f", {summary['speedup_over_user']:.2f}x your configuration"
+        if summary.get("speedup_over_user")
+        else ""
+    )
+    echo(
+        f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
+        f"{best['num_devices']}, batch_size {best['batch_size']} (grad_accum_steps "
+        f"{best['grad_accum_steps']}): {best['samples_per_s']:,.1f} samples/s, "
+        f"{summary['speedup_over_base']:.2f}x base{user}, confidence score "
+        f"{summary['confidence']} (out of 100)"
+    )
+    if summary["recommended_batch_size"] != best["batch_size"]:
+        echo(
+            f"  the valid batch_size nearest yours for this micro_batch_size and num_devices: "
+            f"{summary['recommended_batch_size']}"
+        )
+    for b in summary["compile_break_even"]:
+        other = b["against"]
+        pays = (
+            f"pays off after {b['break_even_steps']:,} training steps"
+            if b["break_even_steps"]
+            else "never pays off"
+        )
+        echo(
+            f"  it compiles {b['extra_compile_s']:.1f} s slower than micro_batch_size "
+            f"{other['micro_batch_size']} on {other['num_devices']} device(s), and {pays}"
+        )
     echo("best configurations:")
     echo(f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}  "
-         f"{'grad_accum':>10}  {'samples/s':>10}")  # fmt: skip
-    for i, r in enumerate(best, start=1):
+         f"{'grad_accum':>10}  {'samples/s':>10}  {'compile_s':>9}")  # fmt: skip
+    for i, r in enumerate(summary["top"], start=1):
+        compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         echo(
             f"  {i:>4}  {r['num_devices']:>11}  {r['batch_size']:>10}  "
             f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
-            f"{float(r['samples_per_s']):>10,.1f}"
+            f"{r['samples_per_s']:>10,.1f}  {compile_s:>9}"
         )

@@ -1,0 +1,248 @@
+"""The reporter: after every finished trial, what to use, how much faster, how sure.
+
+Pure (neither torch nor ray): the search's Tune callback passes trials.csv rows through
+:meth:`Reporter.update`, prints the line it returns and appends its record to
+``recommendations.jsonl``; at the end :meth:`Reporter.summary` gives ``summary.json``.
+
+    mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64),
+    estimated performance: 1.23x base, confidence score: 90 (out of 100)
+
+Base is the objective of the run's first recommendation (as Cerebras does); the
+estimate is the recommended configuration's measured objective over base.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mbtune import lattice
+from mbtune.confidence import Assessment, Observation, assess
+from mbtune.lattice import BatchConfig
+
+__all__ = ["Recommendation", "Reporter", "observation"]
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One line of the stream (and one record of recommendations.jsonl)."""
+
+    time: str
+    trials: int
+    config: BatchConfig
+    objective: float
+    samples_per_s: float | None
+    estimated_performance: float
+    confidence: int
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "trials": self.trials,
+            **self.config.sizes(),
+            "samples_per_s": self.samples_per_s,
+            "objective": self.objective,
+            "estimated_performance": self.estimated_performance,
+            "confidence": self.confidence,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Recommendation:
+        return cls(
+            time=record["time"],
+            trials=int(record["trials"]),
+            config=BatchConfig.from_mapping(record),
+            objective=float(record["objective"]),
+            samples_per_s=record.get("samples_per_s"),
+            estimated_performance=float(record["estimated_performance"]),
+            confidence=int(record["confidence"]),
+        )
+
+    def line(self) -> str:
+        c = self.config
+        return (
+            f"mbtune {self.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
+            f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}), estimated "
+            f"performance: {self.estimated_performance:.2f}x base, confidence score: "
+            f"{self.confidence} (out of 100)"
+        )
+
+
+def observation(row: Row) -> Observation | None:
+    """A trials.csv row as the confidence math sees it (None: not a usable row)."""
+    try:
+        config = BatchConfig.from_mapping(row).canonical()
+    except (KeyError, TypeError, ValueError):
+        return None
+    status = row.get("status") or "error"
+    tried = _ints(row.get("micro_batch_sizes_tried"))
+    # every size tried before the last ran out of memory (trial.on_oom: halve)
+    oom = tried if status == "oom" else tried[:-1]
+    value = _float(row.get("objective"))
+    return Observation(
+        config=config,
+        status=status if status != "ok" or (value and value > 0) else "error",
+        value=value,
+        step_times_ms=tuple(_floats(row.get("step_times_ms"))),
+        oom_micro_batch_sizes=tuple(oom),
+    )
+
+
+class Reporter:
+    """Turns a run's finished trials into its recommendation, stream and summary.
+
+    It keeps no history of its own: the run directory's recommendations.jsonl is the
+    history (its first record is base), so a resumed run, or a restored copy of this
+    object, carries on where the stream left off.
+    """
+
+    def __init__(
+        self,
+        points: Sequence[BatchConfig],
+        *,
+        user_config: BatchConfig | None = None,
+        user_batch_size: int | None = None,
+        noise_floor: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.points = list(points)
+        self.user_config = user_config
+        self.user_batch_size = user_batch_size
+        self.noise_floor = noise_floor
+        self.seed = seed
+
+    def assess(self, rows: Sequence[Row]) -> Assessment:
+        observations = [o for o in map(observation, rows) if o is not None]
+        return assess(self.points, observations, noise_floor=self.noise_floor, seed=self.seed)
+
+    def update(
+        self, rows: Sequence[Row], history: Sequence[Mapping[str, Any]] = ()
+    ) -> Recommendation | None:
+        """The recommendation after ``rows`` (every finished trial so far), or None yet.
+
+        ``history`` is the stream so far (records); its first one is base."""
+        a = self.assess(rows)
+        if a.recommended is None or a.value is None:
+            return None
+        base = _base(history) or a.value
+        rec = Recommendation(
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            trials=len(rows),
+            config=a.recommended,
+            objective=a.value,
+            samples_per_s=_float(_row_of(rows, a.recommended).get("samples_per_s")),
+            estimated_performance=round(a.value / base, 2),
+            confidence=a.confidence,
+        )
+        return rec
+
+    def summary(
+        self, rows: Sequence[Row], status: str, history: Sequence[Mapping[str, Any]] = ()
+    ) -> dict[str, Any]:
+        """The end of the run: recommendation, speed-ups, top five, batch size, break-even."""
+        a = self.assess(rows)
+        base = _base(history)
+        out: dict[str, Any] = {"status": status, "trials": len(rows), "recommended": None}
+        ok = sorted(
+            (r for r in rows if getattr(observation(r), "status", None) == "ok"),
+            key=lambda r: -float(r["objective"]),
+        )
+        out["top"] = [_brief(r) for r in ok[:5]]
+        if a.recommended is None:
+            return out
+        best = _row_of(rows, a.recommended)
+        value = float(best["objective"])
+        user = _row_of(rows, self.user_config.canonical()) if self.user_config else {}
+        user_value = _float(user.get("objective")) if user.get("status") == "ok" else None
+        out.update(
+            recommended=_brief(best),
+            confidence=a.confidence,
+            speedup_over_base=round(value / base, 3) if base else 1.0,
+            user_config=self.user_config.sizes() if self.user_config else None,
+            speedup_over_user=round(value / user_value, 3) if user_value else None,
+            recommended_batch_size=self.recommended_batch_size(a.recommended),
+            compile_break_even=_break_even(best, ok[:5]),
+        )
+        return out
+
+    def recommended_batch_size(self, c: BatchConfig) -> int:
+        """The strictly valid batch size for (n, m) nearest the user's (ties: the larger)."""
+        wanted = self.user_batch_size or c.batch_size
+        below, above = lattice.nearest_valid_batch_sizes(wanted, c.num_devices, c.micro_batch_size)
+        if below is None or above - wanted <= wanted - below:
+            return above
+        return below
+
+
+def _base(history: Sequence[Mapping[str, Any]]) -> float | None:
+    return float(history[0]["objective"]) if history else None
+
+
+def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
+    """For each top configuration that compiles faster than the recommendation: the
+    training steps after which the recommendation's higher throughput has paid back its
+    longer compile (None: it never does, as the other is not slower)."""
+    out = []
+    compile_best = _float(best.get("compile_s"))
+    speed_best = _float(best.get("samples_per_s"))
+    if compile_best is None or not speed_best:
+        return out
+    for other in top:
+        compile_other = _float(other.get("compile_s"))
+        speed_other = _float(other.get("samples_per_s"))
+        if other is best or compile_other is None or not speed_other:
+            continue
+        extra_s = compile_best - compile_other
+        if extra_s <= 0:
+            continue
+        saved_per_sample_s = 1 / speed_other - 1 / speed_best
+        steps = (
+            math.ceil(extra_s / saved_per_sample_s / int(best["batch_size"]))
+            if saved_per_sample_s > 0
+            else None
+        )
+        out.append({"against": _brief(other), "extra_compile_s": round(extra_s, 2),
+                    "break_even_steps": steps})  # fmt: skip
+    return out
+
+
+def _brief(row: Row) -> dict[str, Any]:
+    peak = _float(row.get("peak_memory_bytes"))
+    return {
+        **BatchConfig.from_mapping(row).sizes(),
+        "grad_accum_steps": int(row["grad_accum_steps"]) if row.get("grad_accum_steps") else None,
+        **{k: _float(row.get(k)) for k in ("samples_per_s", "objective", "compile_s")},
+        "peak_memory_bytes": int(peak) if peak is not None else None,
+    }
+
+
+def _row_of(rows: Sequence[Row], config: BatchConfig) -> Row:
+    """The last ok row that measured ``config`` (empty if none)."""
+    for row in reversed(rows):
+        o = observation(row)
+        if o is not None and o.config == config and o.status == "ok":
+            return row
+    return {}
+
+
+def _float(text: Any) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _floats(text: Any) -> list[float]:
+    if isinstance(text, list | tuple):
+        return [float(v) for v in text]
+    return [v for v in map(_float, str(text or "").split()) if v is not None]
+
+
+def _ints(text: Any) -> list[int]:
+    return [int(v) for v in _floats(text)]
