@@ -60,6 +60,27 @@ def test_a_grid_search_measures_every_configuration_once(ray_session, tmp_path):
 
 
 @pytest.mark.ray
+def test_the_search_streams_recommendations_and_stops_when_confident(ray_session, tmp_path):
+    import json
+
+    lines = []
+    exp = replay_experiment(tmp_path, sampler="grid", confidence_target=50)
+    outcome = run_search(exp, echo=lines.append)
+    rows, run = outcome.rows, outcome.run
+    assert len(rows) < 11  # stopped before the grid was done
+    assert any(line == "mbtune: stopping: the confidence score reached its target 50"
+               for line in lines)  # fmt: skip
+    records = [json.loads(x) for x in run.recommendations_file.read_text().splitlines()]
+    assert records and records[-1]["confidence"] >= 50
+    assert records[-1]["trials"] == len(rows)
+    assert sum("recommended micro_batch_size:" in line for line in lines) == len(records)
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary == outcome.summary and summary["status"] == "confident"
+    assert summary["confidence"] == records[-1]["confidence"]
+    assert summary["recommended"]["micro_batch_size"] == records[-1]["micro_batch_size"]
+
+
+@pytest.mark.ray
 def test_tpe_search_respects_num_samples_and_objective(ray_session, tmp_path):
     exp = replay_experiment(
         tmp_path, sampler="tpe", num_samples=5, objective="samples_per_s_per_device"

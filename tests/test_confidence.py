@@ -1,0 +1,129 @@
+"""The confidence math on hand-made cases (pure: neither torch nor ray)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mbtune.confidence import MAX_SCORE, Observation, assess, relative_step_noise
+from mbtune.lattice import BatchConfig, enumerate_configs
+
+# B = 64 on one device: m in 1, 2, 4, ..., 64 (7 distinct measurements)
+POINTS = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[1])
+
+
+def c(m: int, n: int = 1, b: int = 64) -> BatchConfig:
+    return BatchConfig(b, n, m)
+
+
+def ok(config: BatchConfig, speed: float, noise: float = 0.005, steps: int = 10, seed: int = 0):
+    """A measured trial: ``steps`` step times around batch_size / speed, with ``noise``."""
+    rng = random.Random(seed)
+    step_ms = config.batch_size / speed * 1e3
+    times = tuple(step_ms * (1 + noise * rng.gauss(0, 1)) for _ in range(steps))
+    return Observation(config, "ok", speed, times)
+
+
+def test_a_clear_winner_measured_with_little_noise_scores_high():
+    # a smooth saturating curve, every configuration measured: m = 32 wins by 10%
+    speeds = {1: 200, 2: 350, 4: 550, 8: 700, 16: 800, 32: 900, 64: 810}
+    a = assess(POINTS, [ok(c(m), v, seed=m) for m, v in speeds.items()])
+    assert a.recommended == c(32)
+    assert a.confidence >= 95
+    assert a.unmeasured == 0
+
+
+def test_two_configurations_within_noise_of_each_other_score_low():
+    # m = 16 and m = 32 measured within 1% of each other, but each measurement's median
+    # is uncertain by about 5% (10% noisy steps, 5 of them): either may be 2% ahead
+    speeds = {1: 200, 2: 350, 4: 550, 8: 700, 16: 895, 32: 900, 64: 600}
+    a = assess(POINTS, [ok(c(m), v, noise=0.1, steps=5, seed=m) for m, v in speeds.items()])
+    assert a.recommended in (c(16), c(32))
+    assert a.confidence <= 75
+
+
+def test_a_large_unmeasured_region_that_could_hide_a_better_one_scores_low():
+    # only the small micro-batches measured; 16, 32 and 64 were never tried
+    speeds = {1: 200, 2: 350, 4: 550, 8: 700}
+    a = assess(POINTS, [ok(c(m), v, seed=m) for m, v in speeds.items()])
+    assert a.recommended == c(8)
+    assert a.unmeasured == 3
+    assert a.confidence <= 30
+
+
+def test_out_of_memory_bounds_the_region_that_can_still_win():
+    measured = [ok(c(m), v, seed=m) for m, v in {1: 200, 2: 350, 4: 550, 8: 700}.items()]
+    open_region = assess(POINTS, measured)
+    bounded = assess(POINTS, [*measured, Observation(c(16), "oom")])
+    # 16 ran out of memory, so 32 and 64 cannot run either: nothing is left to beat m = 8
+    assert bounded.feasible == 4 and bounded.unmeasured == 0
+    assert bounded.confidence > open_region.confidence + 30
+
+
+def test_sizes_that_ran_out_of_memory_while_halving_bound_the_region_too():
+    halved = Observation(c(8), "ok", 700.0, ok(c(8), 700).step_times_ms, (32, 16))
+    a = assess(POINTS, [halved])
+    assert a.feasible == 4  # 1, 2, 4, 8
+    assert c(16) not in a.p_best
+
+
+def test_a_failed_configuration_cannot_be_recommended_nor_win():
+    a = assess(POINTS, [ok(c(8), 700), Observation(c(32), "error"), Observation(c(4), "timeout")])
+    assert a.recommended == c(8)
+    assert a.feasible == len(POINTS) - 2
+    assert not assess(POINTS, [Observation(c(8), "error")]).recommended
+
+
+def test_the_score_never_reaches_100():
+    # every configuration measured many times with no noise at all, one far ahead
+    speeds = {1: 10, 2: 20, 4: 40, 8: 80, 16: 160, 32: 320, 64: 5000}
+    observations = [ok(c(m), v, noise=0.0, steps=50) for m, v in speeds.items()]
+    a = assess(POINTS, observations)
+    assert a.probability == 1.0
+    assert a.confidence == MAX_SCORE == 99
+
+
+def test_no_successful_trial_means_no_recommendation():
+    a = assess(POINTS, [Observation(c(64), "oom")])
+    assert a.recommended is None and a.confidence == 0
+    assert a.feasible == len(POINTS) - 1
+
+
+def test_step_noise_is_pooled_over_trials():
+    quiet = [ok(c(m), 100.0 * m, noise=0.01, steps=20, seed=m) for m in (1, 2, 4)]
+    noisy = [ok(c(m), 100.0 * m, noise=0.08, steps=20, seed=m) for m in (1, 2, 4)]
+    assert relative_step_noise(quiet)[0] == pytest.approx(0.01, rel=0.35)
+    assert relative_step_noise(noisy)[0] == pytest.approx(0.08, rel=0.35)
+    assert relative_step_noise(quiet)[1] == 3 * 19
+    assert relative_step_noise([Observation(c(1), "ok", 5.0)])[1] == 0  # none seen: default
+
+
+def test_the_noise_floor_lowers_the_score_of_a_close_call():
+    # m = 32 is 2.3% ahead of m = 16: sure with steady steps, unsure with 3% drift
+    speeds = {1: 200, 2: 350, 4: 550, 8: 700, 16: 880, 32: 900, 64: 700}
+    observations = [ok(c(m), v, noise=0.002, steps=20, seed=m) for m, v in speeds.items()]
+    sharp = assess(POINTS, observations)
+    drifting = assess(POINTS, observations, noise_floor=0.03)
+    assert sharp.confidence >= 95
+    assert drifting.confidence <= 85
+
+
+def test_devices_and_batch_sizes_are_dimensions_of_the_model_too():
+    points = enumerate_configs(mode="auto", batch_sizes=[32, 64], num_devices=[1, 2, 4])
+    measured = [ok(BatchConfig(64, n, 8), 300.0 * n, seed=n) for n in (1, 2, 4)]
+    a = assess(points, measured)
+    assert a.recommended == BatchConfig(64, 4, 8)
+    assert a.feasible == len({p.canonical() for p in points})
+    assert sum(a.p_best.values()) == pytest.approx(1.0)
+
+
+def test_the_confidence_math_imports_neither_torch_nor_ray():
+    code = (
+        "import sys, mbtune.confidence, mbtune.reporter; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

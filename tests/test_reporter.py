@@ -1,0 +1,131 @@
+"""The reporter: the stream of recommendations, the summary, and the Tune callback."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from mbtune.lattice import BatchConfig, enumerate_configs
+from mbtune.reporter import Reporter, observation
+from mbtune.rundir import RunDir
+
+POINTS = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+LINE = re.compile(
+    r"^mbtune \d\d:\d\d:\d\d  recommended micro_batch_size: \d+ \(num_devices: \d+, "
+    r"batch_size: \d+\), estimated performance: \d+\.\d\dx base, confidence score: \d+ "
+    r"\(out of 100\)$"
+)
+
+
+def row(n: int, m: int, speed: float | None, status: str = "ok", **extra) -> dict:
+    """A trials.csv row as RunDir.trials() reads it back (text)."""
+    step_ms = 32 / speed * 1e3 if speed else None
+    return {
+        "batch_size": "32", "num_devices": str(n), "micro_batch_size": str(m),
+        "grad_accum_steps": str(-(-32 // n // m)), "status": status,
+        "samples_per_s": str(speed or ""), "objective": str(speed or 0.0),
+        "step_times_ms": " ".join(f"{step_ms * f:.4g}" for f in (0.99, 1.0, 1.01)) if speed else "",
+        **{k: str(v) for k, v in extra.items()},
+    }  # fmt: skip
+
+
+def test_a_row_becomes_an_observation():
+    o = observation(row(2, 8, 500.0, micro_batch_sizes_tried="16 8"))
+    assert o.config == BatchConfig(32, 2, 8) and o.status == "ok" and o.value == 500.0
+    assert len(o.step_times_ms) == 3 and o.oom_micro_batch_sizes == (16,)
+    assert observation(row(2, 16, None, "oom", micro_batch_sizes_tried="16")).status == "oom"
+    assert observation(row(1, 9, 100.0)).config == BatchConfig(32, 1, 8)  # canonical m
+    assert observation({"status": "ok"}) is None
+
+
+def test_the_stream_starts_at_base_and_reports_the_speedup():
+    reporter = Reporter(POINTS)
+    rows = [row(1, 4, 400.0)]
+    first = reporter.update(rows, [])
+    assert first.config == BatchConfig(32, 1, 4) and first.estimated_performance == 1.0
+    assert LINE.match(first.line())
+    history = [first.record()]
+    rows.append(row(2, 8, 500.0))
+    second = reporter.update(rows, history)
+    assert second.config == BatchConfig(32, 2, 8)
+    assert second.estimated_performance == 1.25 and second.trials == 2
+    record = second.record()
+    assert {k: record[k] for k in ("micro_batch_size", "num_devices", "batch_size")} == {
+        "micro_batch_size": 8, "num_devices": 2, "batch_size": 32}  # fmt: skip
+    assert 0 <= record["confidence"] <= 99 and record["time"]
+    json.dumps(record)
+
+
+def test_no_recommendation_until_a_trial_succeeds():
+    assert Reporter(POINTS).update([row(2, 16, None, "oom")], []) is None
+
+
+def test_the_summary_compares_with_base_and_the_users_configuration():
+    reporter = Reporter(POINTS, user_config=BatchConfig(32, 1, 32), user_batch_size=40)
+    rows = [
+        row(1, 32, 200.0, compile_s=5.0),
+        row(1, 8, 400.0, compile_s=10.0),
+        row(2, 8, 500.0, compile_s=20.0),
+    ]
+    history = [{"objective": 250.0}]
+    s = reporter.summary(rows, "finished", history)
+    assert s["status"] == "finished" and s["trials"] == 3
+    assert s["recommended"]["num_devices"] == 2 and s["recommended"]["micro_batch_size"] == 8
+    assert s["speedup_over_base"] == 2.0 and s["speedup_over_user"] == 2.5
+    top = [(t["num_devices"], t["micro_batch_size"]) for t in s["top"]]
+    assert top == [(2, 8), (1, 8), (1, 32)]
+    # valid batch sizes for n = 2, m = 8 are multiples of 16: 32 and 48 around the user's 40
+    assert s["recommended_batch_size"] == 48
+    # 500 vs 400 samples/s saves 0.5 ms a sample; 10 s more compile = 20 000 samples = 625 steps
+    even = {(b["against"]["num_devices"], b["against"]["micro_batch_size"]): b
+            for b in s["compile_break_even"]}  # fmt: skip
+    assert even[1, 8]["extra_compile_s"] == 10.0 and even[1, 8]["break_even_steps"] == 625
+    # 15 s more than m = 32 at 200 samples/s: 3 ms a sample saved, 5 000 samples = 157 steps
+    assert even[1, 32]["break_even_steps"] == 157
+
+
+def test_the_recommended_batch_size_is_the_valid_one_nearest_the_users():
+    r = Reporter(POINTS, user_batch_size=100)
+    assert r.recommended_batch_size(BatchConfig(32, 2, 8)) == 96  # 96 and 112 around 100
+    c = BatchConfig(32, 2, 8)
+    assert Reporter(POINTS, user_batch_size=104).recommended_batch_size(c) == 112
+    assert Reporter(POINTS, user_batch_size=3).recommended_batch_size(c) == 16
+
+
+def test_a_summary_with_nothing_that_ran():
+    s = Reporter(POINTS).summary([row(2, 16, None, "oom")], "finished")
+    assert s["recommended"] is None and s["top"] == []
+
+
+def test_the_tune_callback_records_streams_and_stops(tmp_path):
+    pytest.importorskip("ray")
+    from mbtune.search import ConfidenceStop, TrialLog
+
+    run = RunDir.create(tmp_path, "cb")
+    lines: list[str] = []
+    log = TrialLog(run, lines.append, Reporter(POINTS))
+    stop = ConfidenceStop(log, target=90)
+    speeds = {(1, m): 100.0 * m for m in (1, 2, 4, 8, 16, 32)} | {(2, 16): None}
+    speeds |= {(2, m): 190.0 * m for m in (1, 2, 4, 8)}
+    for i, ((n, m), speed) in enumerate(speeds.items()):
+        trial = SimpleNamespace(trial_id=f"t{i}", config={"batch_size": 32, "num_devices": n,
+                                                          "micro_batch_size": m})  # fmt: skip
+        result = row(n, m, speed, "ok" if speed else "oom")
+        log.on_trial_result(0, [], trial, result)
+        log.on_trial_complete(0, [], trial)
+        if stop.stop_all():
+            break
+    rows, records = run.trials(), run.recommendations()
+    assert len(rows) == i + 1 and [r["trial"] for r in rows] == [str(k + 1) for k in range(i + 1)]
+    # one recommendation after every finished trial from the first that ran
+    first_ok = next(k for k, r in enumerate(rows) if r["status"] == "ok")
+    assert len(records) == len(rows) - first_ok
+    assert sum(bool(LINE.match(line)) for line in lines) == len(records)
+    assert records[-1]["confidence"] >= 90 and stop.stop_all()
+    assert (records[-1]["num_devices"], records[-1]["micro_batch_size"]) == (2, 8)
+    # a trial stopped before it reported (the search was already confident) is not a result
+    log.on_trial_complete(0, [], SimpleNamespace(trial_id="late", config={}))
+    assert len(run.trials()) == len(rows)
