@@ -26,14 +26,22 @@ Pure numerics (numpy; neither torch nor ray). The method, in the order the code 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from mbtune.lattice import BatchConfig
 
-__all__ = ["Assessment", "Observation", "assess", "relative_step_noise"]
+__all__ = [
+    "Assessment",
+    "Observation",
+    "as_number",
+    "assess",
+    "observation",
+    "relative_step_noise",
+]
 
 TOLERANCE = 0.02
 """Within 2% of the best counts as right."""
@@ -65,6 +73,45 @@ class Observation:
     """Every timed step, to estimate the measurement's noise."""
     oom_micro_batch_sizes: tuple[int, ...] = ()
     """Micro-batch sizes that ran out of memory on the way (``trial.on_oom: halve``)."""
+
+
+def observation(row: Mapping[str, Any]) -> Observation | None:
+    """A trial as trials.csv (text) or a result (numbers, lists) holds it; None if unusable.
+
+    Keys: batch_size, num_devices, micro_batch_size, status, objective, step_times_ms,
+    micro_batch_sizes_tried (the sizes tried in order: all but the last ran out of memory).
+    """
+    try:
+        config = BatchConfig.from_mapping(row).canonical()
+    except (KeyError, TypeError, ValueError):
+        return None
+    value = as_number(row.get("objective"))
+    status = row.get("status") or "error"
+    if status == "ok" and not (value and value > 0):
+        status = "error"
+    tried = [int(m) for m in _floats(row.get("micro_batch_sizes_tried"))]
+    return Observation(
+        config=config,
+        status=status,
+        value=value if status == "ok" else None,
+        step_times_ms=tuple(_floats(row.get("step_times_ms"))),
+        oom_micro_batch_sizes=tuple(tried if status == "oom" else tried[:-1]),
+    )
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (empty text, NaN, anything else)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _floats(value: Any) -> list[float]:
+    """Numbers from a list, or from a space-separated string as trials.csv writes them."""
+    items = value if isinstance(value, list | tuple) else str(value or "").split()
+    return [v for v in map(as_number, items) if v is not None]
 
 
 @dataclass(frozen=True)

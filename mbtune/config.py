@@ -47,7 +47,7 @@ __all__ = [
     "parse_memory",
 ]
 
-SAMPLERS = ("tpe", "gp", "random", "grid", "halving", "doubling")
+SAMPLERS = ("tpe", "gp", "random", "model", "grid", "halving", "doubling")
 OBJECTIVES = ("samples_per_s", "samples_per_s_per_device")
 BACKENDS = ("torch", "replay")
 DEVICES = ("auto", "cpu", "cuda")

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbtune import lattice
-from mbtune.confidence import Assessment, Observation, assess
+from mbtune.confidence import Assessment, as_number, assess, observation
 from mbtune.lattice import BatchConfig
 
-__all__ = ["Recommendation", "Reporter", "observation"]
+__all__ = ["Recommendation", "Reporter"]
 
 Row = Mapping[str, Any]
 
@@ -73,26 +73,6 @@ class Recommendation:
         )
 
 
-def observation(row: Row) -> Observation | None:
-    """A trials.csv row as the confidence math sees it (None: not a usable row)."""
-    try:
-        config = BatchConfig.from_mapping(row).canonical()
-    except (KeyError, TypeError, ValueError):
-        return None
-    status = row.get("status") or "error"
-    tried = _ints(row.get("micro_batch_sizes_tried"))
-    # every size tried before the last ran out of memory (trial.on_oom: halve)
-    oom = tried if status == "oom" else tried[:-1]
-    value = _float(row.get("objective"))
-    return Observation(
-        config=config,
-        status=status if status != "ok" or (value and value > 0) else "error",
-        value=value,
-        step_times_ms=tuple(_floats(row.get("step_times_ms"))),
-        oom_micro_batch_sizes=tuple(oom),
-    )
-
-
 class Reporter:
     """Turns a run's finished trials into its recommendation, stream and summary.
 
@@ -135,7 +115,7 @@ class Reporter:
             trials=len(rows),
             config=a.recommended,
             objective=a.value,
-            samples_per_s=_float(_row_of(rows, a.recommended).get("samples_per_s")),
+            samples_per_s=as_number(_row_of(rows, a.recommended).get("samples_per_s")),
             estimated_performance=round(a.value / base, 2),
             confidence=a.confidence,
         )
@@ -158,7 +138,7 @@ class Reporter:
         best = _row_of(rows, a.recommended)
         value = float(best["objective"])
         user = _row_of(rows, self.user_config.canonical()) if self.user_config else {}
-        user_value = _float(user.get("objective")) if user.get("status") == "ok" else None
+        user_value = as_number(user.get("objective")) if user.get("status") == "ok" else None
         out.update(
             recommended=_brief(best),
             confidence=a.confidence,
@@ -188,13 +168,13 @@ def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
     training steps after which the recommendation's higher throughput has paid back its
     longer compile (None: it never does, as the other is not slower)."""
     out = []
-    compile_best = _float(best.get("compile_s"))
-    speed_best = _float(best.get("samples_per_s"))
+    compile_best = as_number(best.get("compile_s"))
+    speed_best = as_number(best.get("samples_per_s"))
     if compile_best is None or not speed_best:
         return out
     for other in top:
-        compile_other = _float(other.get("compile_s"))
-        speed_other = _float(other.get("samples_per_s"))
+        compile_other = as_number(other.get("compile_s"))
+        speed_other = as_number(other.get("samples_per_s"))
         if other is best or compile_other is None or not speed_other:
             continue
         extra_s = compile_best - compile_other
@@ -212,11 +192,11 @@ def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def _brief(row: Row) -> dict[str, Any]:
-    peak = _float(row.get("peak_memory_bytes"))
+    peak = as_number(row.get("peak_memory_bytes"))
     return {
         **BatchConfig.from_mapping(row).sizes(),
         "grad_accum_steps": int(row["grad_accum_steps"]) if row.get("grad_accum_steps") else None,
-        **{k: _float(row.get(k)) for k in ("samples_per_s", "objective", "compile_s")},
+        **{k: as_number(row.get(k)) for k in ("samples_per_s", "objective", "compile_s")},
         "peak_memory_bytes": int(peak) if peak is not None else None,
     }
 
@@ -228,21 +208,3 @@ def _row_of(rows: Sequence[Row], config: BatchConfig) -> Row:
         if o is not None and o.config == config and o.status == "ok":
             return row
     return {}
-
-
-def _float(text: Any) -> float | None:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _floats(text: Any) -> list[float]:
-    if isinstance(text, list | tuple):
-        return [float(v) for v in text]
-    return [v for v in map(_float, str(text or "").split()) if v is not None]
-
-
-def _ints(text: Any) -> list[int]:
-    return [int(v) for v in _floats(text)]

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import optuna
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig
@@ -75,8 +76,6 @@ class OptunaSpace:
 
     def encode(self, c: BatchConfig) -> tuple[dict[str, float], dict[str, Any]]:
         """The Optuna parameters (and their distributions) that propose ``c``."""
-        from optuna.distributions import FloatDistribution, IntDistribution
-
         params: dict[str, float] = {}
         dists: dict[str, Any] = {}
         for name, values, value in (
@@ -85,11 +84,15 @@ class OptunaSpace:
         ):
             if len(values) > 1:
                 params[name] = values.index(value)
-                dists[name] = IntDistribution(0, len(values) - 1)
+                dists[name] = optuna.distributions.IntDistribution(0, len(values) - 1)
         if self.log2_max > 0:
             params[self.M_PARAM] = math.log2(c.micro_batch_size)
-            dists[self.M_PARAM] = FloatDistribution(0.0, self.log2_max)
+            dists[self.M_PARAM] = optuna.distributions.FloatDistribution(0.0, self.log2_max)
         return params, dists
+
+    def decode(self, params: dict[str, Any]) -> BatchConfig:
+        """The configuration that Optuna parameters (as :meth:`encode` gives) propose."""
+        return BatchConfig.from_mapping(self(optuna.trial.FixedTrial(params)))
 
     def __call__(self, trial: Any) -> dict[str, int]:
         n = _pick(trial, "num_devices_index", self.ns)
@@ -107,11 +110,88 @@ def _pick(trial: Any, name: str, values: list[int]) -> int:
     return values[trial.suggest_int(name, 0, len(values) - 1)]
 
 
+class ModelSampler(optuna.samplers.BaseSampler):
+    """An Optuna sampler that proposes what the confidence score's model finds most
+    likely to be the fastest configuration (``search.sampler: model``).
+
+    The model (:mod:`mbtune.confidence`) sees every finished trial of the study: its
+    configuration, objective, status and step times (user attributes the search sets).
+    It proposes the unmeasured configuration with the highest probability of being the
+    fastest in the space, so each trial is the one that can most change, or most
+    confirm, the recommendation; with nothing measured yet, the middle of the space.
+    It proposes whole configurations, so it answers Optuna's define-by-run questions
+    from the configuration it chose for the trial.
+    """
+
+    def __init__(self, space: OptunaSpace, points: Sequence[BatchConfig], seed: int) -> None:
+        self.space = space
+        self.points = sorted({p.canonical() for p in points})
+        self.seed = seed
+        self.fallback = optuna.samplers.RandomSampler(seed=seed)
+        self.chosen: dict[int, dict[str, float]] = {}
+
+    def infer_relative_search_space(self, study: Any, trial: Any) -> dict:
+        return {}
+
+    def sample_relative(self, study: Any, trial: Any, search_space: dict) -> dict:
+        return {}
+
+    def sample_independent(self, study: Any, trial: Any, name: str, distribution: Any) -> Any:
+        if trial.number not in self.chosen:
+            self.chosen[trial.number] = self.space.encode(self.propose(study))[0]
+        params = self.chosen[trial.number]
+        if name in params:
+            return params[name]
+        return self.fallback.sample_independent(study, trial, name, distribution)
+
+    def propose(self, study: Any) -> BatchConfig:
+        from mbtune.confidence import assess, observation
+
+        observations, busy = [], set()
+        for t in study.get_trials(deepcopy=False):
+            config = self.space.decode(t.params)
+            if t.state == optuna.trial.TrialState.RUNNING:
+                busy.add(config)
+            elif t.state == optuna.trial.TrialState.COMPLETE:
+                # a warm start's trials carry no status: a positive value ran
+                attrs = {"status": "ok" if t.value else "error", **t.user_attrs}
+                observations.append(observation({**config.sizes(), "objective": t.value, **attrs}))
+        done = busy | {o.config for o in observations}
+        open_points = [p for p in self.points if p not in done]
+        if not open_points:
+            return self.points[0]  # everything measured: the searcher ends the search
+        if not any(o.status == "ok" for o in observations):
+            return _middle(open_points)
+        a = assess(self.points, observations, seed=self.seed + len(observations))
+        likely = {p: a.p_best.get(p, 0.0) for p in open_points}
+        best = max(likely, key=likely.get)
+        if likely[best] > 0:
+            return best
+        # nothing unmeasured can still win: any point left (the search is about to stop)
+        return open_points[len(observations) % len(open_points)]
+
+    def reseed_rng(self) -> None:
+        self.fallback.reseed_rng()
+
+    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        self.chosen.pop(trial.number, None)
+
+
+def _middle(points: Sequence[BatchConfig]) -> BatchConfig:
+    """The point nearest the centre of the space, in octaves of m, n and B."""
+
+    def octaves(c: BatchConfig) -> tuple[float, ...]:
+        return tuple(math.log2(v) for v in (c.micro_batch_size, c.num_devices, c.batch_size))
+
+    centre = [sum(dim) / len(points) for dim in zip(*map(octaves, points), strict=True)]
+    return min(points, key=lambda c: math.dist(octaves(c), centre))
+
+
 def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int, storage: Any):
-    import optuna
     from ray.tune.search.optuna import OptunaSearch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = OptunaSpace(points)
     # the GP sampler fits its model inside ask(), which Ray mistakes for work done in the
     # define-by-run space; the space itself only picks indices
     warnings.filterwarnings("ignore", message="Define-by-run function passed in the `space`")
@@ -124,10 +204,12 @@ def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int
             )
     elif sampler_name == "gp":
         sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
+    elif sampler_name == "model":
+        sampler = ModelSampler(space, points, seed)
     else:
         sampler = optuna.samplers.RandomSampler(seed=seed)
     return OptunaSearch(
-        space=OptunaSpace(points),
+        space=space,
         metric=METRIC,
         mode="max",
         sampler=sampler,
@@ -320,9 +402,14 @@ class DedupSearcher(Searcher):
         self.measured[point] = value
         if result and "micro_batch_size" in result:  # what really ran (e.g. after halving)
             self.measured[self.key(BatchConfig.from_mapping(result))] = value
+        attrs = _trial_attrs(result, error)
         if inner_id is None:  # a start point: the proposer did not ask for it
-            self.tell(point, value, measured=True)
+            self.tell(point, value, measured=True, attrs=attrs)
         else:
+            trial = getattr(self.inner, "_ot_trials", {}).get(inner_id)  # OptunaSearch's
+            if trial is not None:  # what the model sampler learns besides the value
+                for key, attr in attrs.items():
+                    trial.set_user_attr(key, attr)
             self.inner.on_trial_complete(inner_id, {METRIC: value})
 
     def add_measured(self, config: BatchConfig, value: float) -> None:
@@ -330,7 +417,14 @@ class DedupSearcher(Searcher):
         self.measured[self.key(config)] = value
         self.tell(config, value, measured=True)
 
-    def tell(self, config: BatchConfig, value: float, *, measured: bool = False) -> None:
+    def tell(
+        self,
+        config: BatchConfig,
+        value: float,
+        *,
+        measured: bool = False,
+        attrs: dict[str, Any] | None = None,
+    ) -> None:
         """Teach the proposer a result it did not ask for (a start point, a warm start).
 
         Optuna learns from every result; the baselines only from what this search measured
@@ -340,13 +434,13 @@ class DedupSearcher(Searcher):
             if measured:
                 self.inner.values[config.canonical()] = value
             return
-        import optuna
-
         space: OptunaSpace = self.inner._space  # OptunaSearch keeps the define-by-run space
         study = self.inner._ot_study  # and its study: add the result as a finished trial
         params, distributions = space.encode(config.canonical())
         study.add_trial(
-            optuna.trial.create_trial(params=params, distributions=distributions, value=value)
+            optuna.trial.create_trial(
+                params=params, distributions=distributions, value=value, user_attrs=attrs or {}
+            )
         )
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec):
@@ -370,6 +464,16 @@ class DedupSearcher(Searcher):
         self.inner.restore(str(inner_path))
         inner_path.unlink()
         self.__dict__.update(state)
+
+
+def _trial_attrs(result: dict | None, error: bool) -> dict[str, Any]:
+    """A finished trial's status and step times, as Optuna user attributes."""
+    result = result or {}
+    return {
+        "status": "error" if error else result.get("status", "error"),
+        "step_times_ms": list(result.get("step_times_ms") or []),
+        "micro_batch_sizes_tried": list(result.get("micro_batch_sizes_tried") or []),
+    }
 
 
 def make_searcher(
