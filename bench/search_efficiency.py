@@ -3,8 +3,8 @@
 Method. Each landscape is a replay table (samples/s per configuration, empty where out
 of memory). For every sampler and 30 seeds, the very searcher `mbtune run` uses
 (`mbtune.searchers.make_searcher`, deduplication included) is driven in-process, one
-trial at a time; each observed throughput carries 3% seeded noise, as a replayed trial
-would. We record the number of trials until a configuration whose *true* throughput is
+trial at a time; each trial reports 5 step times with 3% seeded noise each and their
+median, as a replayed trial would (out-of-memory configurations report `oom`). We record the number of trials until a configuration whose *true* throughput is
 within 2% of the landscape's best has been measured, and report the median over seeds
 (a search that never finds one counts as the lattice size + 1).
 
@@ -38,7 +38,11 @@ from ray.tune.search import Searcher
 from mbtune.lattice import BatchConfig, enumerate_configs
 from mbtune.searchers import METRIC, make_searcher
 
-SAMPLERS = ("tpe", "gp", "random", "grid", "halving", "doubling")
+SAMPLERS = ("model", "tpe", "gp", "random", "grid", "halving", "doubling")
+NOISE = 0.03
+"""Relative noise of each replayed step time (as `trial.noise: 0.03`)."""
+STEPS = 5
+"""Timed steps per trial (`trial.measure_steps`' default)."""
 
 
 def synthetic(kind: str) -> dict[BatchConfig, float | None]:
@@ -68,7 +72,18 @@ def load_table(path: Path) -> dict[BatchConfig, float | None]:
     return table
 
 
-def trials_to_near_best(table, sampler: str, seed: int, noise: float = 0.03) -> int:
+def replayed(c: BatchConfig, true: float | None, rng: random.Random, noise: float = NOISE):
+    """What a replayed trial reports: ``STEPS`` step times with relative ``noise`` each."""
+    if not true:
+        return {"status": "oom", METRIC: 0.0, **c.sizes()}
+    steps_ms = [c.batch_size / true * 1e3 * max(0.05, 1 + noise * rng.gauss(0, 1))
+                for _ in range(STEPS)]  # fmt: skip
+    speed = c.batch_size / statistics.median(steps_ms) * 1e3
+    return {"status": "ok", METRIC: speed, "samples_per_s": speed, "step_times_ms": steps_ms,
+            **c.sizes()}  # fmt: skip
+
+
+def trials_to_near_best(table, sampler: str, seed: int) -> int:
     best = max(v for v in table.values() if v)
     good = {c for c, v in table.items() if v and v >= 0.98 * best}
     searcher = make_searcher(sampler, list(table), seed=seed)
@@ -80,9 +95,7 @@ def trials_to_near_best(table, sampler: str, seed: int, noise: float = 0.03) -> 
         c = BatchConfig.from_mapping(params)
         if c in good:
             return i
-        true = table[c]
-        value = true * (1 + noise * rng.gauss(0, 1)) if true else 0.0
-        searcher.on_trial_complete(f"t{i}", {METRIC: value, **params})
+        searcher.on_trial_complete(f"t{i}", replayed(c, table[c], rng))
     return len(table) + 1  # never found
 
 

@@ -53,8 +53,8 @@ DEFAULT_NOISE = 0.03
 """Relative step-time spread assumed while no trial has kept two step times."""
 
 _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
-_AMPLITUDES = (0.02, 0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
-_TREND_SD = 1.0  # prior sd of the trend's slope per octave (throughput ~ n has slope ln 2)
+_AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
+_TREND_SD = 0.6  # prior sd of the trend's slope per octave (of throughput per device)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see _threats)
 
@@ -150,10 +150,15 @@ def assess(
     *,
     tolerance: float = TOLERANCE,
     noise_floor: float = 0.0,
+    global_objective: bool = True,
     samples: int = 4000,
     seed: int = 0,
 ) -> Assessment:
-    """Recommend a measured configuration and score it, over the space ``points``."""
+    """Recommend a measured configuration and score it, over the space ``points``.
+
+    ``global_objective``: the objective grows with the devices (samples/s of all of them),
+    so the model learns it per device and multiplies back; False when it is per device.
+    """
     latest = {o.config: o for o in observations}  # a re-measurement replaces the first
     feasible = _feasible(points, latest.values())
     ok = [o for o in latest.values() if o.status == "ok" and o.value and o.config in feasible]
@@ -166,13 +171,19 @@ def assess(
     scale = _Scale(points)
     candidates = sorted(feasible)
     z = scale(candidates)
-    gp = _Mixture(scale(o.config for o in ok), np.log([o.value for o in ok]), noise_var)
-    mean = gp.mean(z)
+
+    def per_device(configs: Iterable[BatchConfig]) -> np.ndarray:
+        return np.log([c.num_devices if global_objective else 1 for c in configs])
+
+    y = np.log([o.value for o in ok]) - per_device(o.config for o in ok)
+    gp = _Mixture(scale(o.config for o in ok), y, noise_var)
+    offset = per_device(candidates)
+    mean = gp.mean(z) + offset
     index = {c: i for i, c in enumerate(candidates)}
     measured = [index[o.config] for o in ok]
     best_measured = max(measured, key=lambda i: mean[i])
     keep = _threats(gp, z, mean, best_measured, tolerance)
-    draws = gp.sample(z[keep], samples, seed)
+    draws = gp.sample(z[keep], samples, seed) + offset[keep]
     r = keep.index(best_measured)
     within = draws[:, r] >= draws.max(axis=1) + math.log(1 - tolerance)
     probability = float(within.mean())

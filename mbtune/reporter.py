@@ -88,9 +88,11 @@ class Reporter:
         user_config: BatchConfig | None = None,
         user_batch_size: int | None = None,
         noise_floor: float = 0.0,
+        global_objective: bool = True,
         seed: int = 0,
     ) -> None:
         self.points = list(points)
+        self.global_objective = global_objective
         self.user_config = user_config
         self.user_batch_size = user_batch_size
         self.noise_floor = noise_floor
@@ -98,7 +100,13 @@ class Reporter:
 
     def assess(self, rows: Sequence[Row]) -> Assessment:
         observations = [o for o in map(observation, rows) if o is not None]
-        return assess(self.points, observations, noise_floor=self.noise_floor, seed=self.seed)
+        return assess(
+            self.points,
+            observations,
+            noise_floor=self.noise_floor,
+            global_objective=self.global_objective,
+            seed=self.seed,
+        )
 
     def update(
         self, rows: Sequence[Row], history: Sequence[Mapping[str, Any]] = ()

@@ -67,7 +67,12 @@ def run_search(
     run.write_experiment(exp.to_dict())
     s = exp.search
     searcher = make_searcher(
-        s.sampler, points, seed=s.seed, storage=_optuna_storage(run), start_points=s.start_points
+        s.sampler,
+        points,
+        seed=s.seed,
+        storage=_optuna_storage(run),
+        start_points=s.start_points,
+        global_objective=s.objective == "samples_per_s",
     )
     if earlier is not None:
         told = _warm_start(searcher, earlier, exp, points)
@@ -150,6 +155,7 @@ def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Re
         user_config=exp.train_input.config,
         user_batch_size=exp.train_input.batch_size,
         noise_floor=exp.noise_floor,
+        global_objective=exp.search.objective == "samples_per_s",
         seed=exp.search.seed,
     )
 

@@ -123,8 +123,15 @@ class ModelSampler(optuna.samplers.BaseSampler):
     from the configuration it chose for the trial.
     """
 
-    def __init__(self, space: OptunaSpace, points: Sequence[BatchConfig], seed: int) -> None:
+    def __init__(
+        self,
+        space: OptunaSpace,
+        points: Sequence[BatchConfig],
+        seed: int,
+        global_objective: bool = True,
+    ) -> None:
         self.space = space
+        self.global_objective = global_objective
         self.points = sorted({p.canonical() for p in points})
         self.seed = seed
         self.fallback = optuna.samplers.RandomSampler(seed=seed)
@@ -149,7 +156,10 @@ class ModelSampler(optuna.samplers.BaseSampler):
 
         observations, busy = [], set()
         for t in study.get_trials(deepcopy=False):
-            config = self.space.decode(t.params)
+            try:
+                config = self.space.decode(t.params)
+            except ValueError:  # a trial still being asked (this one): no full params yet
+                continue
             if t.state == optuna.trial.TrialState.RUNNING:
                 busy.add(config)
             elif t.state == optuna.trial.TrialState.COMPLETE:
@@ -162,7 +172,12 @@ class ModelSampler(optuna.samplers.BaseSampler):
             return self.points[0]  # everything measured: the searcher ends the search
         if not any(o.status == "ok" for o in observations):
             return _middle(open_points)
-        a = assess(self.points, observations, seed=self.seed + len(observations))
+        a = assess(
+            self.points,
+            observations,
+            global_objective=self.global_objective,
+            seed=self.seed + len(observations),
+        )
         likely = {p: a.p_best.get(p, 0.0) for p in open_points}
         best = max(likely, key=likely.get)
         if likely[best] > 0:
@@ -187,7 +202,13 @@ def _middle(points: Sequence[BatchConfig]) -> BatchConfig:
     return min(points, key=lambda c: math.dist(octaves(c), centre))
 
 
-def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int, storage: Any):
+def _optuna_searcher(
+    sampler_name: str,
+    points: Sequence[BatchConfig],
+    seed: int,
+    storage: Any,
+    global_objective: bool = True,
+):
     from ray.tune.search.optuna import OptunaSearch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -205,7 +226,7 @@ def _optuna_searcher(sampler_name: str, points: Sequence[BatchConfig], seed: int
     elif sampler_name == "gp":
         sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
     elif sampler_name == "model":
-        sampler = ModelSampler(space, points, seed)
+        sampler = ModelSampler(space, points, seed, global_objective)
     else:
         sampler = optuna.samplers.RandomSampler(seed=seed)
     return OptunaSearch(
@@ -483,6 +504,7 @@ def make_searcher(
     seed: int,
     storage: Any = None,
     start_points: Sequence[BatchConfig] = (),
+    global_objective: bool = True,
 ) -> DedupSearcher:
     """The searcher for ``search.sampler``, wrapped so nothing is measured twice."""
     baselines = {"grid": GridSearcher, "halving": HalvingSearcher, "doubling": DoublingSearcher}
@@ -490,5 +512,5 @@ def make_searcher(
     if sampler in baselines:
         inner: Searcher = baselines[sampler](canonical)
     else:
-        inner = _optuna_searcher(sampler, canonical, seed, storage)
+        inner = _optuna_searcher(sampler, canonical, seed, storage, global_objective)
     return DedupSearcher(inner, canonical, start_points)

@@ -1,0 +1,141 @@
+"""Calibration of the confidence score: is a score of 90 right nine times in ten?
+
+Method. On replay landscapes (samples/s per configuration; empty where out of memory),
+a search runs trial by trial in-process, exactly as `mbtune run` would drive it: the
+searcher of `search.sampler` (`mbtune.searchers.make_searcher`, deduplication included)
+proposes, each trial reports 5 step times with 3% seeded noise each (as `trial.noise:
+0.03` replays them), and after every trial the reporter's confidence model
+(`mbtune.confidence.assess`, the function `mbtune run` calls) recommends a configuration
+and scores it. A recommendation is *right* when its true throughput is within 2% of the
+landscape's best. Every (score, right) pair of every trial of every seed goes into
+10-point bins: the reliability table compares each bin's mean score with how often it was
+right. We also record, for a search that would stop at `confidence_target: 90`, how many
+trials it needed and whether its recommendation was right.
+
+Landscapes: gpt_cpu (measured on this machine, bench/landscapes/gpt_cpu.csv), saturating
+and dip (see bench/search_efficiency.py), and bumpy: the saturating landscape with an
+independent 6% (log-normal) bump on every configuration, drawn anew for every seed, so
+that neighbours say less about each other than any smooth model assumes.
+
+Target: every bin with at least 30 samples within 10 points of its score; at the moment
+a search reaches 90, right at least 90% of the time.
+Run: `.venv/bin/python bench/confidence_calibration.py [--seeds 30] [--sampler model]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import warnings
+from collections import defaultdict
+
+from _common import BENCH, machine, save
+from ray.tune.search import Searcher
+from search_efficiency import load_table, replayed, synthetic
+
+from mbtune.confidence import assess, observation
+from mbtune.lattice import BatchConfig
+from mbtune.searchers import make_searcher
+
+TARGET = 90
+MIN_BIN = 30
+
+
+def bumpy(seed: int, amplitude: float = 0.06) -> dict[BatchConfig, float | None]:
+    rng = random.Random(1000 + seed)
+    base = synthetic("saturating")
+    return {c: v * math.exp(amplitude * rng.gauss(0, 1)) if v else None for c, v in base.items()}
+
+
+def search(table, sampler: str, seed: int) -> list[tuple[int, int, bool]]:
+    """(trials so far, score, right) after every trial of one search over ``table``."""
+    best = max(v for v in table.values() if v)
+    points = list(table)
+    searcher = make_searcher(sampler, points, seed=seed)
+    rng = random.Random(seed)
+    observations, out = [], []
+    for i in range(1, len(points) + 1):
+        params = searcher.suggest(f"t{i}")
+        if params in (None, Searcher.FINISHED):
+            break
+        c = BatchConfig.from_mapping(params)
+        result = replayed(c, table[c], rng)
+        searcher.on_trial_complete(f"t{i}", result)
+        observations.append(observation(result))
+        a = assess(points, observations, seed=seed)
+        if a.recommended is not None:
+            out.append((i, a.confidence, table[a.recommended] >= 0.98 * best))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=30)
+    parser.add_argument("--sampler", default="model")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    fixed = {
+        "gpt_cpu": load_table(BENCH / "landscapes" / "gpt_cpu.csv"),
+        "saturating": synthetic("saturating"),
+        "dip": synthetic("dip"),
+    }
+    results: dict[str, dict] = {}
+    everything: dict[int, list[tuple[int, bool]]] = defaultdict(list)
+    for name in (*fixed, "bumpy"):
+        bins: dict[int, list[tuple[int, bool]]] = defaultdict(list)
+        stops = []
+        for seed in range(args.seeds):
+            table = fixed[name] if name in fixed else bumpy(seed)
+            trace = search(table, args.sampler, seed)
+            for _, score, right in trace:
+                bins[min(score // 10, 9)].append((score, right))
+                everything[min(score // 10, 9)].append((score, right))
+            stop = next(((i, right) for i, score, right in trace if score >= TARGET), None)
+            stops.append(stop)
+        reached = [s for s in stops if s]
+        results[name] = {
+            "size": len(fixed.get(name) or bumpy(0)),
+            "bins": _table(bins),
+            "stop_reached": len(reached),
+            "stop_right": sum(right for _, right in reached),
+            "stop_trials_median": statistics.median(i for i, _ in reached) if reached else None,
+            "seeds": args.seeds,
+        }
+        _print(name, results[name])
+    results["all"] = {"bins": _table(everything)}
+    _print("all landscapes", results["all"])
+    out = save("confidence_calibration", machine(), {"sampler": args.sampler, **results})
+    print(f"\nraw figures: {out.relative_to(BENCH.parent)}")
+    return 0
+
+
+def _table(bins: dict[int, list[tuple[int, bool]]]) -> list[dict]:
+    rows = []
+    for b in sorted(bins):
+        pairs = bins[b]
+        mean_score = statistics.mean(s for s, _ in pairs)
+        right = 100 * statistics.mean(r for _, r in pairs)
+        rows.append({"bin": f"{10 * b}-{10 * b + 9}", "samples": len(pairs),
+                     "mean_score": round(mean_score, 1), "right_percent": round(right, 1),
+                     "gap": round(right - mean_score, 1)})  # fmt: skip
+    return rows
+
+
+def _print(name: str, r: dict) -> None:
+    print(f"\n{name}" + (f": {r['size']} configurations" if "size" in r else ""))
+    print(f"  {'score':>6} {'samples':>8} {'mean score':>11} {'right %':>8} {'gap':>6}")
+    for row in r["bins"]:
+        flag = "" if row["samples"] < MIN_BIN or abs(row["gap"]) <= 10 else "  <- off by > 10"
+        print(f"  {row['bin']:>6} {row['samples']:>8} {row['mean_score']:>11.1f} "
+              f"{row['right_percent']:>8.1f} {row['gap']:>+6.1f}{flag}")  # fmt: skip
+    if "stop_reached" in r:
+        print(f"  reached {TARGET} in {r['stop_reached']}/{r['seeds']} searches, median "
+              f"{r['stop_trials_median']} trials; right at that moment in {r['stop_right']}"
+              f"/{r['stop_reached']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
