@@ -4,9 +4,10 @@ Method. Each landscape is a replay table (samples/s per configuration, empty whe
 of memory). For every sampler and 30 seeds, the very searcher `mbtune run` uses
 (`mbtune.searchers.make_searcher`, deduplication included) is driven in-process, one
 trial at a time; each trial reports 5 step times with 3% seeded noise each and their
-median, as a replayed trial would (out-of-memory configurations report `oom`). We record the number of trials until a configuration whose *true* throughput is
-within 2% of the landscape's best has been measured, and report the median over seeds
-(a search that never finds one counts as the lattice size + 1).
+median, as a replayed trial would (out-of-memory configurations report `oom`). We
+record the number of trials until a configuration whose *true* throughput is within 2%
+of the landscape's best has been measured, and report the median over seeds (a search
+that never finds one counts as the lattice size + 1).
 
 Landscapes:
 - gpt_cpu: measured on this machine with the quickstart GPT (bench/landscapes/gpt_cpu.csv,
