@@ -182,8 +182,9 @@ class SpaceConfig:
 @dataclass(frozen=True, kw_only=True)
 class SearchConfig:
     space: SpaceConfig = field(default_factory=SpaceConfig)
-    sampler: str = "tpe"
-    """``tpe``, ``gp``, ``random``, ``grid``, or the baselines ``halving`` and ``doubling``."""
+    sampler: str = "model"
+    """``model`` (default), ``tpe``, ``gp``, ``random``, ``grid``, or the baselines ``halving``
+    and ``doubling``."""
     objective: str = "samples_per_s"
     """``samples_per_s`` (global throughput) or ``samples_per_s_per_device``."""
     num_samples: int = 20
@@ -510,7 +511,7 @@ def _parse_train_input(raw: Any) -> TrainInput:
 def _parse_search(raw: Any, base: Path) -> SearchConfig:
     sec = _Section(raw, "search", _field_names(SearchConfig))
     space_raw = sec.get("space", default="default")
-    sampler = sec.choice("sampler", SAMPLERS, default="tpe")
+    sampler = sec.choice("sampler", SAMPLERS, default="model")
     objective = sec.choice("objective", OBJECTIVES, default="samples_per_s")
     return SearchConfig(
         space=_parse_space(space_raw, base),

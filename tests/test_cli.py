@@ -111,7 +111,7 @@ BAD = {
     "unknown mode": (base(micro_batch_size="fastest"), r"train_input\.micro_batch_size: .*"
                      r"'auto', 'explore' or 'none', got 'fastest'"),
     "unknown sampler": ({**base(), "search": {"sampler": "bayes"}}, r"search\.sampler: 'bayes' "
-                        r"is not one of: tpe, gp, random, grid, halving, doubling"),
+                        r"is not one of: tpe, gp, random, model, grid, halving, doubling"),
     "unknown backend": ({**base(), "trial": {"backend": "tf"}}, r"trial\.backend: 'tf' is not "
                         r"one of: torch, replay"),
     "unknown model": ({**base(), "model": {"name": "resnet"}}, r"model\.name: unknown model "

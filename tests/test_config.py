@@ -97,7 +97,7 @@ def test_every_key_is_read():
 def test_defaults():
     exp = make()
     assert exp.train_input.micro_batch_size == "auto" and exp.train_input.num_devices == 1
-    assert exp.search.sampler == "tpe" and exp.search.confidence_target == 90
+    assert exp.search.sampler == "model" and exp.search.confidence_target == 90
     assert exp.search.space.source == "default"
     assert exp.trial.backend == "torch" and exp.trial.compile is True
     assert exp.trial.device_memory is None and exp.ray.address is None
@@ -201,7 +201,7 @@ BAD = [
      r".*\(did you mean 'batch_size'\?\)"),
     ({"trainput": {}}, r"^trainput: unknown key; .*\(did you mean 'train_input'\?\)"),
     ({"search": {"sampler": "tpee"}}, r"^search\.sampler: 'tpee' is not one of: tpe, gp, "
-     r"random, grid, halving, doubling \(did you mean 'tpe'\?\)"),
+     r"random, model, grid, halving, doubling \(did you mean 'tpe'\?\)"),
     ({"search": {"objective": "speed"}}, r"^search\.objective: 'speed' is not one of"),
     ({"search": {"confidence_target": 100}}, r"^search\.confidence_target: 100 is out of "
      r"range; expected a whole number from 1 to 99"),

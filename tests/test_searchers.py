@@ -38,7 +38,7 @@ def speed(c):
     return c.num_devices * c.micro_batch_size / (c.micro_batch_size + 4)
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "gp", "random", "grid"])
+@pytest.mark.parametrize("sampler", ["model", "tpe", "gp", "random", "grid"])
 def test_every_sampler_proposes_each_valid_point_once_and_finishes(sampler):
     searcher = make_searcher(sampler, POINTS, seed=0)
     measured = drive(searcher, speed)
@@ -154,3 +154,25 @@ def test_warm_start_teaches_optuna_without_skipping_anything():
     grid = make_searcher("grid", POINTS, seed=0)
     grid.tell(POINTS[0], 1.0)
     assert drive(grid, speed) == sorted(POINTS)  # a baseline is not taught by a warm start
+
+
+def test_the_model_sampler_starts_in_the_middle_and_goes_where_the_best_is_likely():
+    # B = 512 on 1..8 devices; per-device throughput saturating in m, out of memory above 64
+    points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
+    searcher = make_searcher("model", points, seed=0)
+    measured = []
+    for i in range(4):
+        params = searcher.suggest(f"t{i}")
+        c = BatchConfig.from_mapping(params)
+        measured.append(c)
+        fits = c.micro_batch_size <= 64
+        value = c.num_devices * 1000 * c.micro_batch_size / (c.micro_batch_size + 6) if fits else 0
+        result = {METRIC: value, "status": "ok" if fits else "oom", **params}
+        result["step_times_ms"] = [1e3 * c.batch_size / value] * 3 if fits else []
+        searcher.on_trial_complete(f"t{i}", result)
+    assert measured[0] == BatchConfig(512, 2, 16)  # the middle of the space, in octaves
+    # then the corner the model expects to be fastest: most devices, largest micro-batch
+    # that fits (64 is the best; 128 and 256 on fewer devices ran out of memory)
+    assert BatchConfig(512, 8, 64) in measured[1:]
+    study = searcher.inner._ot_study
+    assert {t.user_attrs["status"] for t in study.trials} <= {"ok", "oom"}
