@@ -50,6 +50,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +70,17 @@ __all__ = [
     "Recommendation",
     "RunInfo",
     "best_per_config",
+    "compare_report",
     "compare_runs",
+    "has_ok_trial",
     "load_recommendations",
     "load_run",
     "load_runs",
     "ranked",
     "recommendation",
+    "no_ok_trial_message",
     "render_table",
+    "run_report",
     "run_info",
     "status_counts",
     "status_pivot",
@@ -499,6 +504,127 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------
+# reports: what `mbtune analyze` prints
+
+
+def has_ok_trial(trials: pd.DataFrame) -> bool:
+    return bool(trials["status"].eq("ok").any())
+
+
+def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
+    """One run for a person (``table``, ``markdown``): what the run was, its
+    recommendation, the ranked trials, the failed ones and the samples/s pivot. For a
+    program (``csv``, ``json``): the ranked table alone, every column, failed rows last."""
+    table = ranked(trials)
+    if fmt in ("csv", "json"):
+        return render_table(table, fmt)
+    counts = ", ".join(f"{v} {k}" for k, v in status_counts(trials).items())
+    state = (
+        f"status {info.summary.get('status', '?')}"
+        if info.summary is not None
+        else "no summary.json (interrupted, killed or still running)"
+    )
+    lines = [f"{info.path}: '{info.name}', {len(trials)} trials ({counts}); {state}"]
+    dropped = trials.attrs.get("dropped_rows", 0)
+    if dropped:
+        lines.append(
+            f"dropped {dropped} half-written row{'s' * (dropped > 1)} of trials.csv (the "
+            "driver died while writing)"
+        )
+    if has_ok_trial(trials) or (info.summary or {}).get("recommended"):
+        lines.append(_recommendation_line(recommendation(trials, info)))
+    sections = []
+    ok = table[table["rank"].notna()]
+    if len(ok):
+        sections.append((f"trials, best first by {info.objective}", _ranked_view(ok, info)))
+    failed = table[table["rank"].isna()]
+    if len(failed):
+        view = failed[["trial", *SIZES, "status", "reason"]]
+        sections.append(("failed trials", view))
+    if len(ok):
+        pivot = status_pivot(trials)
+        pivot.columns = [f"num_devices {n}" for n in pivot.columns]
+        several = " (best over batch sizes)" if trials["batch_size"].nunique() > 1 else ""
+        sections.append((f"samples/s by micro_batch_size x num_devices{several}",
+                         pivot.reset_index()))  # fmt: skip
+    floats = {
+        "samples_per_s": ",.1f", "samples_per_s_per_device": ",.1f", "step_time_ms_median": ".2f",
+        "step_time_ms_iqr": ".2f", "compile_s": ".1f", "peak_memory_mib": ",.0f",
+    }  # fmt: skip
+    for title, view in sections:
+        lines.append("")
+        lines.append(f"**{title}**\n" if fmt == "markdown" else f"{title}:")
+        lines.append(render_table(view, fmt, floats=floats).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def _ranked_view(ok: pd.DataFrame, info: RunInfo) -> pd.DataFrame:
+    """The columns of the ranked table a person reads; optional ones only where measured."""
+    view = ok[["rank", "trial", *SIZES, "grad_accum_steps", "samples_per_s"]].copy()
+    if info.objective == "samples_per_s_per_device":
+        view["samples_per_s_per_device"] = ok["samples_per_s_per_device"]
+    view["step_time_ms_median"] = ok["step_time_ms_median"]
+    view["step_time_ms_iqr"] = ok["step_time_ms_iqr"]
+    if ok["compile_s"].notna().any():
+        view["compile_s"] = ok["compile_s"]
+    if ok["peak_memory_bytes"].notna().any():
+        view["peak_memory_mib"] = ok["peak_memory_bytes"] / 2**20
+    return view
+
+
+def _recommendation_line(rec: Recommendation) -> str:
+    c = rec.config
+    speed = f": {rec.samples_per_s:,.1f} samples/s" if rec.samples_per_s is not None else ""
+    source = rec.source + (f", confidence {rec.confidence}" if rec.confidence is not None else "")
+    batch = (
+        f"; recommended global batch {rec.recommended_batch_size}"
+        if rec.recommended_batch_size
+        else ""
+    )
+    return (
+        f"recommended ({source}): num_devices {c.num_devices}, batch_size {c.batch_size}, "
+        f"micro_batch_size {c.micro_batch_size} ({c.grad_accum_steps} micro-batch"
+        f"{'es' * (c.grad_accum_steps > 1)} per device){speed}{batch}"
+    )
+
+
+def compare_report(
+    a: pd.DataFrame, b: pd.DataFrame, info_a: RunInfo, info_b: RunInfo, fmt: str = "table"
+) -> str:
+    """Two runs side by side (see :func:`compare_runs`); csv and json: the table alone."""
+    table = compare_runs(a, b)
+    if fmt in ("csv", "json"):
+        return render_table(table, fmt)
+    lines = []
+    bests = []
+    for label, trials, info in (("a", a, info_a), ("b", b, info_b)):
+        top = ranked(trials)
+        counts = ", ".join(f"{v} {k}" for k, v in status_counts(trials).items()) or "none"
+        if len(top) and pd.notna(top["rank"].iloc[0]):
+            r = top.iloc[0]
+            bests.append(float(r["samples_per_s"]))
+            best = (
+                f"best: num_devices {r['num_devices']}, batch_size {r['batch_size']}, "
+                f"micro_batch_size {r['micro_batch_size']}: {r['samples_per_s']:,.1f} samples/s"
+            )
+        else:
+            best = "no trial ran ok"
+        lines.append(
+            f"{label}: {info.path} ('{info.name}', {len(trials)} trials: {counts}); {best}"
+        )
+    if len(bests) == 2:
+        lines.append(f"best of b / best of a: {bests[1] / bests[0]:.2f}x")
+    lines.append("")
+    lines.append(
+        "matched on (batch_size, num_devices, micro_batch_size); ratio = samples/s of b / a"
+        + (":" if fmt == "table" else "\n")
+    )
+    floats = {"samples_per_s_a": ",.1f", "samples_per_s_b": ",.1f", "ratio": ".2f"}
+    lines.append(render_table(table, fmt, floats=floats).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
 # text output
 
 
@@ -515,12 +641,36 @@ def render_table(frame: pd.DataFrame, fmt: str, *, floats: Mapping[str, str] | N
     if fmt == "csv":
         return _lists_as_text(frame).to_csv(index=False)
     cells = _cells(frame, floats or {})
+    right = [_right_aligned(frame[c], cells[c]) for c in frame]
     if fmt == "table":
-        return cells.to_string(index=False) + "\n"
+        widths = [max([len(str(c)), *map(len, cells[c])]) for c in cells]
+        rows = [list(map(str, cells.columns)), *cells.itertuples(index=False)]
+        lines = (
+            "  ".join(
+                v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right, strict=True)
+            )
+            for row in rows
+        )
+        return "\n".join(line.rstrip() for line in lines) + "\n"
     header = "| " + " | ".join(cells.columns) + " |"
-    rule = "|" + "|".join("---:" if _numeric(frame[c]) else "---" for c in frame) + "|"
+    rule = "|" + "|".join("---:" if r else "---" for r in right) + "|"
     rows = ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
     return "\n".join([header, rule, *rows]) + "\n"
+
+
+def _right_aligned(column: pd.Series, cells: pd.Series) -> bool:
+    """Numbers right, words left; a pivot's cells (numbers or a status) count as numbers."""
+    if pd.api.types.is_bool_dtype(column):
+        return False
+    if pd.api.types.is_numeric_dtype(column):
+        return True
+    filled = [c for c in cells if c]
+    numbers = [c for c in filled if _NUMBER.fullmatch(c)]
+    return bool(numbers) and all(c in _STATUSES or _NUMBER.fullmatch(c) for c in filled)
+
+
+_NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?")
+_STATUSES = ("ok", "oom", "error", "timeout")
 
 
 def _lists_as_text(frame: pd.DataFrame) -> pd.DataFrame:
@@ -553,7 +703,3 @@ def _cells(frame: pd.DataFrame, floats: Mapping[str, str]) -> pd.DataFrame:
         {name: [cell(v, floats.get(name)) for v in frame[name]] for name in frame},
         columns=list(frame.columns),
     )
-
-
-def _numeric(column: pd.Series) -> bool:
-    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
