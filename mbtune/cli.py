@@ -346,14 +346,11 @@ def _analyze(args: argparse.Namespace) -> int:
         (a, info_a), (b, info_b) = runs
         print(analysis.compare_report(a, b, info_a, info_b, args.format), end="")
         if not args.no_plots:
-            from mbtune.plots import plot_compare
+            from mbtune.plots import compare_figure, save
 
-            path = plot_compare(
-                [a, b],
-                ["a", "b"],
-                info_a.path / f"compare-{info_b.path.name}.png",
-                title=f"a: {info_a.path.name} vs b: {info_b.path.name}",
-            )
+            title = f"a: {info_a.path.name} vs b: {info_b.path.name}"
+            figure = compare_figure([a, b], ["a", "b"], title=title)
+            path = save(figure, info_a.path / f"compare-{info_b.path.name}.png")
             print(f"plot: {path}", file=notes)
         return 0
     trials, info = runs[0]

@@ -17,11 +17,12 @@ from mbtune.analysis import RunInfo, best_per_config
 
 __all__ = [
     "PLOT_FILES",
-    "plot_compare",
-    "plot_confidence",
-    "plot_memory",
-    "plot_step_time",
-    "plot_throughput",
+    "compare_figure",
+    "confidence_figure",
+    "memory_figure",
+    "save",
+    "step_time_figure",
+    "throughput_figure",
     "write_plots",
 ]
 
@@ -43,35 +44,24 @@ _MiB = 2**20
 def write_plots(trials: pd.DataFrame, info: RunInfo) -> tuple[list[Path], list[str]]:
     """Every plot of one run, into its directory: the files written, and one line for
     each plot that could not be drawn, saying why."""
-    where, title = info.path, info.name
-    written = [
-        plot_throughput(trials, where / PLOT_FILES["throughput"], title=title),
-        plot_memory(
-            trials,
-            where / PLOT_FILES["memory"],
-            device_memory_bytes=info.device_memory_bytes,
-            title=title,
-        ),
-        plot_step_time(trials, where / PLOT_FILES["step_time"], title=title),
-    ]
+    title = info.name
+    figures = {
+        "throughput": throughput_figure(trials, title=title),
+        "memory": memory_figure(trials, device_memory_bytes=info.device_memory_bytes, title=title),
+        "step_time": step_time_figure(trials, title=title),
+    }
     skipped = []
     recs = info.recommendations
     if recs is None or recs["confidence"].notna().sum() == 0:
         why = "has no recommendations.jsonl" if recs is None else "has no confidence records"
         skipped.append(f"{PLOT_FILES['confidence']} not written: the run {why} (older run?)")
     else:
-        written.append(
-            plot_confidence(
-                recs,
-                where / PLOT_FILES["confidence"],
-                target=info.confidence_target,
-                title=title,
-            )
-        )
+        figures["confidence"] = confidence_figure(recs, target=info.confidence_target, title=title)
+    written = [save(fig, info.path / PLOT_FILES[name]) for name, fig in figures.items()]
     return written, skipped
 
 
-def plot_throughput(trials: pd.DataFrame, path: Path, *, title: str) -> Path:
+def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     """samples/s against micro-batch size, one line per num_devices; the failed trials
     marked on the axis, and the best trial starred."""
     fig, ax = _figure()
@@ -93,12 +83,10 @@ def plot_throughput(trials: pd.DataFrame, path: Path, *, title: str) -> Path:
     ax.set_ylabel("samples/s (global)")
     ax.set_title(f"{title}: throughput by micro-batch size")
     _legend(ax)
-    return _save(fig, path)
+    return fig
 
 
-def plot_memory(
-    trials: pd.DataFrame, path: Path, *, device_memory_bytes: int | None, title: str
-) -> Path:
+def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, title: str) -> Figure:
     """Peak memory of one device against micro-batch size, one line per num_devices, with
     the experiment's memory budget (trial.device_memory) drawn where it has one."""
     fig, ax = _figure()
@@ -120,10 +108,10 @@ def plot_memory(
     ax.set_ylabel("peak memory per device (MiB)")
     ax.set_title(f"{title}: peak memory by micro-batch size{budget}")
     _legend(ax)
-    return _save(fig, path)
+    return fig
 
 
-def plot_step_time(trials: pd.DataFrame, path: Path, *, title: str) -> Path:
+def step_time_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     """Each ok trial's median step split into compute, communication and pipeline bubble
     (stacked bars), ordered by (num_devices, batch_size, micro_batch_size)."""
     ok = trials[trials["status"] == "ok"]
@@ -154,12 +142,10 @@ def plot_step_time(trials: pd.DataFrame, path: Path, *, title: str) -> Path:
     if not len(shown):
         ax.text(0.5, 0.5, "no trial ran ok", ha="center", transform=ax.transAxes)
     _legend(ax)
-    return _save(fig, path)
+    return fig
 
 
-def plot_confidence(
-    recommendations: pd.DataFrame, path: Path, *, target: int | None, title: str
-) -> Path:
+def confidence_figure(recommendations: pd.DataFrame, *, target: int | None, title: str) -> Figure:
     """The recommendation's confidence score after each trial, with the stopping target;
     each change of the recommended configuration is labelled."""
     fig, ax = _figure()
@@ -183,12 +169,10 @@ def plot_confidence(
     ax.set_ylabel("confidence score (0-99)")
     ax.set_title(f"{title}: confidence in the recommendation")
     _legend(ax)
-    return _save(fig, path)
+    return fig
 
 
-def plot_compare(
-    runs: Sequence[pd.DataFrame], labels: Sequence[str], path: Path, *, title: str
-) -> Path:
+def compare_figure(runs: Sequence[pd.DataFrame], labels: Sequence[str], *, title: str) -> Figure:
     """samples/s against micro-batch size of several runs: one color per num_devices,
     one line style per run."""
     fig, ax = _figure()
@@ -206,7 +190,7 @@ def plot_compare(
     ax.set_ylabel("samples/s (global)")
     ax.set_title(title)
     _legend(ax)
-    return _save(fig, path)
+    return fig
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +239,8 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8, loc="best")
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` as a PNG file."""
     path = Path(path)
     fig.savefig(path, format="png")
     return path
