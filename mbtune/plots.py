@@ -70,6 +70,7 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
         ok = group[group["status"] == "ok"].groupby("micro_batch_size")["samples_per_s"].max()
         ax.plot(ok.index, ok.to_numpy(), "o-", color=color, label=f"num_devices {n}")
         _mark_failed(ax, group, color, y=0.0)
+    _failure_legend(ax, cells["status"])
     ok = trials[trials["status"] == "ok"]
     if len(ok):
         best = ok.loc[ok["samples_per_s"].idxmax()]
@@ -95,6 +96,7 @@ def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, titl
         ax.plot(ok.index, ok.to_numpy() / _MiB, "o-", color=color, label=f"num_devices {n}")
         failed = group[(group["status"] != "ok") & group["peak_memory_bytes"].notna()]
         _mark_failed(ax, failed, color, y=failed["peak_memory_bytes"] / _MiB)
+    _failure_legend(ax, trials.loc[trials["peak_memory_bytes"].notna(), "status"])
     if device_memory_bytes:
         ax.axhline(
             device_memory_bytes / _MiB, color="crimson", linestyle="--",
@@ -185,6 +187,7 @@ def compare_figure(runs: Sequence[pd.DataFrame], labels: Sequence[str], *, title
             ok = group[group["status"] == "ok"].groupby("micro_batch_size")["samples_per_s"].max()
             ax.plot(ok.index, ok.to_numpy(), style, color=colors[n], label=f"{label}, n {n}")
             _mark_failed(ax, group, colors[n], y=0.0)
+    _failure_legend(ax, pd.concat([best_per_config(t) for t in runs])["status"])
     _micro_batch_axis(ax, pd.concat(runs))
     ax.set_ylim(bottom=0)
     ax.set_ylabel("samples/s (global)")
@@ -218,9 +221,12 @@ def _mark_failed(ax, group: pd.DataFrame, color: str, *, y) -> None:
                 group.loc[mask, "micro_batch_size"], height, marker, color=color,
                 markersize=10, linestyle="none", clip_on=False, zorder=4,
             )  # fmt: skip
+
+
+def _failure_legend(ax, statuses: pd.Series) -> None:
+    """One legend entry per failed status drawn (in black: the colour says the devices)."""
     for status, (marker, meaning) in _FAILED.items():
-        handles = {h.get_label() for h in ax.get_lines()}
-        if (group["status"] == status).any() and meaning not in handles:
+        if statuses.eq(status).any():
             ax.plot([], [], marker, color="black", linestyle="none", label=meaning)
 
 
