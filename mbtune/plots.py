@@ -100,7 +100,7 @@ def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, titl
     if device_memory_bytes:
         ax.axhline(
             device_memory_bytes / _MiB, color="crimson", linestyle="--",
-            label=f"budget (device_memory) {device_memory_bytes / 2**30:.2f} GiB",
+            label=f"budget (device_memory) {_size(device_memory_bytes)}",
         )  # fmt: skip
         budget = ""
     else:
@@ -238,6 +238,13 @@ def _micro_batch_axis(ax, trials: pd.DataFrame) -> None:
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticklabels([str(m) for m in sizes])
     ax.set_xlabel("micro_batch_size")
+
+
+def _size(size_bytes: int) -> str:
+    """A memory size as people write it: '416 MiB', '4.00 GiB'."""
+    return (
+        f"{size_bytes / 2**30:.2f} GiB" if size_bytes >= 2**30 else f"{size_bytes / _MiB:.0f} MiB"
+    )
 
 
 def _legend(ax) -> None:

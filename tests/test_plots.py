@@ -54,7 +54,7 @@ def test_memory_draws_the_budget_or_says_there_is_none(tmp_path):
         "num_devices 1",
         "num_devices 2",
         "out of memory",
-        "budget (device_memory) 0.50 GiB",
+        "budget (device_memory) 512 MiB",
     ]  # the error trial has no peak memory: it is not drawn
     budget = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("budget")]
     assert list(budget[0].get_ydata()) == [512, 512]  # MiB
