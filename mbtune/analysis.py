@@ -496,7 +496,9 @@ def compare_runs(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     both = left.merge(right, on=list(SIZES), how="outer", suffixes=("_a", "_b"))
     both["grad_accum_steps"] = both.pop("grad_accum_steps_a").fillna(both.pop("grad_accum_steps_b"))
     both["grad_accum_steps"] = both["grad_accum_steps"].astype("int64")
-    both["ratio"] = both["samples_per_s_b"] / both["samples_per_s_a"]
+    both_ok = both["status_a"].eq("ok") & both["status_b"].eq("ok")
+    # an oom on the CPU still has a measured speed (it was over the budget): no ratio
+    both["ratio"] = (both["samples_per_s_b"] / both["samples_per_s_a"]).where(both_ok)
     both = both.sort_values(["num_devices", "batch_size", "micro_batch_size"])
     columns = [*SIZES, "grad_accum_steps", "samples_per_s_a", "status_a", "samples_per_s_b",
                "status_b", "ratio"]  # fmt: skip

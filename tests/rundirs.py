@@ -44,7 +44,7 @@ def trial_row(
         "finished_at": "2026-11-21T19:41:11",
         "reason": None if status == "ok" else f"{status} for the test",
     }
-    if status == "ok":
+    if samples_per_s is not None:  # also a CPU oom: measured, but over the memory budget
         step_ms = batch_size / samples_per_s * 1e3
         comm_ms = 0.1 * (num_devices - 1)
         row.update(
@@ -57,7 +57,9 @@ def trial_row(
             bubble_time_ms=0.0,
             compile_s=2.5,
             step_times_ms=[step_ms * 0.99, step_ms, step_ms * 1.01],
-            objective=samples_per_s / (num_devices if objective != "samples_per_s" else 1),
+            objective=samples_per_s / (num_devices if objective != "samples_per_s" else 1)
+            if status == "ok"
+            else 0.0,
         )
     row.update(extra)
     return row

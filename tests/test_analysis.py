@@ -269,12 +269,14 @@ def test_recommendations_jsonl_skips_a_half_written_line(tmp_path):
 
 def test_compare_matches_configurations_and_gives_the_ratio(tmp_path):
     a = load_run(make_run(tmp_path, FINISHED_ROWS, name="a"))
-    b_rows = [trial_row(32, 2, 8, 693.0), trial_row(32, 2, 16, 700.0), trial_row(32, 1, 2, 50.0)]
+    b_rows = [trial_row(32, 2, 8, 693.0), trial_row(32, 2, 16, 700.0), trial_row(32, 1, 2, 50.0),
+              trial_row(32, 2, 4, 600.0, "oom")]  # fmt: skip
     b = load_run(make_run(tmp_path, b_rows, name="b"))
     both = analysis.compare_runs(a, b).set_index(["num_devices", "micro_batch_size"])
     assert both.loc[(2, 8), "ratio"] == pytest.approx(1.1)
     assert (both.loc[(2, 16), "status_a"], both.loc[(2, 16), "status_b"]) == ("oom", "ok")
     assert math.isnan(both.loc[(2, 16), "ratio"])
+    assert both.loc[(2, 4), "samples_per_s_b"] == 600.0 and math.isnan(both.loc[(2, 4), "ratio"])
     assert math.isnan(both.loc[(1, 2), "samples_per_s_a"]) and pd.isna(both.loc[(1, 2), "status_a"])
     assert len(both) == 7  # the union of both runs' configurations
 
