@@ -97,7 +97,6 @@ _FLOATS = (
     "peak_memory_bytes", "eval_samples_per_s", "objective", "wall_s",
 )  # fmt: skip
 _LISTS = {"micro_batch_sizes_tried": int, "step_times_ms": float}
-_TEXTS = ("trial_id", "status", "reason", "note")
 
 COLUMNS = (
     "trial", "trial_id", "status", *SIZES, "per_device_batch", "grad_accum_steps",
@@ -180,7 +179,7 @@ def _read_trials_csv(path: Path) -> tuple[list[str], list[list[str]], int]:
             f"trials.csv starts with the header {','.join(TRIAL_COLUMNS[:6])},..."
         )
     dropped = 0
-    if body and not text.endswith("\n"):
+    if body and not text.endswith(("\n", "\r")):  # csv ends its rows with \r\n
         body, dropped = body[:-1], 1  # the driver died mid-row: the last row is partial
     complete = [r for r in body if len(r) == len(header)]
     return header, complete, dropped + len(body) - len(complete)
@@ -245,7 +244,7 @@ def _parse_list(text: str, kind: type) -> list:
 
 
 def _default_pipeline_stages(run: RunDir) -> int:
-    stages = _experiment(run).get("train_input", {}).get("pipeline_stages", 1)
+    stages = (_experiment(run).get("train_input") or {}).get("pipeline_stages", 1)
     return stages if isinstance(stages, int) and stages >= 1 else 1
 
 

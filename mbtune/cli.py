@@ -391,8 +391,11 @@ def _export(trials: Any, info: Any, framework: str) -> int:
         header=header,
     )
     path = info.path / snippet.filename
-    path.write_text(snippet.text, encoding="utf-8")
     print(snippet.text, end="")
+    try:
+        path.write_text(snippet.text, encoding="utf-8")
+    except OSError as e:
+        raise MbtuneError(f"--export: cannot write {path}: {e.strerror or e}") from None
     for note in snippet.notes:
         print(f"mbtune: {note}", file=sys.stderr)
     print(f"mbtune: wrote {path}", file=sys.stderr)

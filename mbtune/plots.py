@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
 from mbtune.analysis import RunInfo, best_per_config
+from mbtune.errors import MbtuneError
 
 __all__ = [
     "PLOT_FILES",
@@ -255,5 +256,8 @@ def _legend(ax) -> None:
 def save(fig: Figure, path: Path) -> Path:
     """Write ``fig`` as a PNG file."""
     path = Path(path)
-    fig.savefig(path, format="png")
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise MbtuneError(f"cannot write the plot {path}: {e.strerror or e}") from None
     return path

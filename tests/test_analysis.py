@@ -121,6 +121,14 @@ def test_a_killed_run_drops_its_half_written_last_row(tmp_path, keep):
     assert df.attrs["dropped_rows"] == 1
 
 
+def test_a_row_cut_between_its_carriage_return_and_newline_is_complete(tmp_path):
+    path = make_run(tmp_path, FINISHED_ROWS[:2])
+    csv_file = path / "trials.csv"
+    csv_file.write_bytes(csv_file.read_bytes().removesuffix(b"\n"))  # rows end in \r\n
+    df = load_run(path)
+    assert df["trial"].tolist() == [1, 2] and df.attrs["dropped_rows"] == 0
+
+
 def test_a_killed_run_that_was_resumed_drops_the_merged_row(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS[:3])
     _kill_mid_row(path, 20)

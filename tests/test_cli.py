@@ -296,6 +296,11 @@ def _bad_analyze_cases():
         (path / "trials.csv").write_text("trial,status,batch_size,num_devices,micro_batch_size\n")
         return path
 
+    def unwritable(tmp, name):
+        path = finished_run(tmp)
+        (path / name).mkdir()  # a directory where the file should go
+        return path
+
     def bad_summary(tmp):
         path = make_run(tmp, FINISHED_ROWS)
         (path / "summary.json").write_text('{"status": "fini')
@@ -320,6 +325,10 @@ def _bad_analyze_cases():
         "three runs": (lambda tmp: [tmp, tmp, tmp], r"analyze: give one run directory, or two "
                        r"to compare; got 3"),
         "bad summary.json": (lambda tmp: [bad_summary(tmp)], r"summary\.json is not valid JSON"),
+        "plot not writable": (lambda tmp: [unwritable(tmp, "plot-memory.png")],
+                              r"cannot write the plot .*plot-memory\.png: Is a directory"),
+        "export not writable": (lambda tmp: [unwritable(tmp, "export-hf.json"), "--export", "hf"],
+                                r"--export: cannot write .*export-hf\.json: Is a directory"),
     }  # fmt: skip
 
 
@@ -333,3 +342,12 @@ def test_analyze_bad_input_exits_2_with_one_line(capsys, tmp_path, case):
     if case == "only failed trials":  # the failures are shown before the one-line error
         assert "failed trials:" in out and "timeout for the test" in out
         assert not list(argv(tmp_path / "again")[0].glob("*.png"))
+
+
+def test_analyze_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["analyze", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: mbtune analyze")
+    for option in ("--format", "--export", "--no-plots", "RUN_DIR"):
+        assert option in out
