@@ -344,6 +344,9 @@ def _analyze(args: argparse.Namespace) -> int:
     notes = sys.stdout if args.format in ("table", "markdown") else sys.stderr
     if len(runs) == 2:
         (a, info_a), (b, info_b) = runs
+        for trials, info in runs:
+            if trials.empty:  # a run with only failed trials still compares: they are results
+                raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
         print(analysis.compare_report(a, b, info_a, info_b, args.format), end="")
         if not args.no_plots:
             from mbtune.plots import compare_figure, save

@@ -322,6 +322,8 @@ def _bad_analyze_cases():
                               r"deepspeed, hf, lightning, megatron"),
         "export of two runs": (lambda tmp: [finished_run(tmp), finished_run(tmp, name="b"),
                                             "--export", "hf"], r"--export: give one run"),
+        "compare with an empty run": (lambda tmp: [finished_run(tmp), header_only(tmp)],
+                                      r"RUN_DIR: .* has no finished trial yet"),
         "three runs": (lambda tmp: [tmp, tmp, tmp], r"analyze: give one run directory, or two "
                        r"to compare; got 3"),
         "bad summary.json": (lambda tmp: [bad_summary(tmp)], r"summary\.json is not valid JSON"),
