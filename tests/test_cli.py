@@ -292,7 +292,7 @@ def _bad_analyze_cases():
                               trial_row(32, 2, 16, status="timeout")])  # fmt: skip
 
     def header_only(tmp):
-        path = make_run(tmp, [])
+        path = make_run(tmp, [], name="header-only")
         (path / "trials.csv").write_text("trial,status,batch_size,num_devices,micro_batch_size\n")
         return path
 
