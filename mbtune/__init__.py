@@ -1,12 +1,25 @@
 """mbtune: find the fastest batch size, micro-batch size and device count for a model.
 
 The package imports neither torch nor ray; the modules that need them import them when
-they are used.
+they are used. ``load_run`` and ``load_runs`` (mbtune.analysis) import pandas on first use.
 """
+
+from typing import Any
 
 from mbtune.config import Experiment, load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 
-__all__ = ["BatchConfig", "Experiment", "MbtuneError", "load_experiment"]
+__all__ = ["BatchConfig", "Experiment", "MbtuneError", "load_experiment", "load_run", "load_runs"]
 __version__ = "0.1.0"
+
+_LAZY = {"load_run": "mbtune.analysis", "load_runs": "mbtune.analysis"}
+
+
+def __getattr__(name: str) -> Any:
+    # pandas costs a second to import: only a caller of the analysis pays for it
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mbtune' has no attribute {name!r}")

@@ -111,6 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="teach the sampler the results of an earlier run before it proposes",
     )
     run.set_defaults(handler=_run)
+
+    analyze = commands.add_parser(
+        "analyze",
+        help="rank, pivot and plot a run's trials; compare two runs; export the winner",
+        description="Read a run directory (finished, interrupted or killed): print its "
+        "trials best first, the failed ones, and samples/s over micro_batch_size x "
+        "num_devices, and write PNG plots into it. Two run directories: set them side by "
+        "side (b against a). --export: print the recommended configuration as FRAMEWORK's "
+        "snippet and write it into the run directory.",
+    )
+    analyze.add_argument(
+        "runs", metavar="RUN_DIR", nargs="+", help="a run directory; give two to compare them"
+    )
+    analyze.add_argument(
+        "--format",
+        choices=("table", "csv", "json", "markdown"),
+        default="table",
+        help="table and markdown: the whole report; csv and json: the ranked (or compared) "
+        "table alone, every column",
+    )
+    analyze.add_argument(
+        "--export",
+        metavar="FRAMEWORK",
+        help="print the recommended configuration for cerebras, composer, deepspeed, hf, "
+        "lightning or megatron, and write it to RUN_DIR/export-FRAMEWORK.*",
+    )
+    analyze.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    analyze.set_defaults(handler=_analyze)
     return parser
 
 
@@ -290,6 +318,91 @@ def _run(args: argparse.Namespace) -> int:
         check_user_model(exp)
         outcome = run_search(exp, warm_start=args.warm_start, **where)
     return 0 if outcome.best() else 1
+
+
+# ---------------------------------------------------------------------------
+# analyze
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from mbtune import analysis
+    from mbtune.export import FRAMEWORKS
+
+    if len(args.runs) > 2:
+        raise MbtuneError(
+            f"analyze: give one run directory, or two to compare; got {len(args.runs)}"
+        )
+    if args.export is not None:
+        if args.export not in FRAMEWORKS:
+            raise MbtuneError(
+                f"--export: unknown framework {args.export!r}; valid: {', '.join(FRAMEWORKS)}"
+            )
+        if len(args.runs) != 1:
+            raise MbtuneError("--export: give one run directory (its recommendation is exported)")
+    runs = [(analysis.load_run(path), analysis.run_info(path)) for path in args.runs]
+    # what is not for the terminal reader goes to stderr, so that csv and json pipe cleanly
+    notes = sys.stdout if args.format in ("table", "markdown") else sys.stderr
+    if len(runs) == 2:
+        (a, info_a), (b, info_b) = runs
+        for trials, info in runs:
+            if trials.empty:  # a run with only failed trials still compares: they are results
+                raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
+        print(analysis.compare_report(a, b, info_a, info_b, args.format), end="")
+        if not args.no_plots:
+            from mbtune.plots import compare_figure, save
+
+            title = f"a: {info_a.path.name} vs b: {info_b.path.name}"
+            figure = compare_figure([a, b], ["a", "b"], title=title)
+            path = save(figure, info_a.path / f"compare-{info_b.path.name}.png")
+            print(f"plot: {path}", file=notes)
+        return 0
+    trials, info = runs[0]
+    if args.export is not None:
+        return _export(trials, info, args.export)
+    if trials.empty:
+        raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
+    print(analysis.run_report(trials, info, args.format), end="")
+    if not analysis.has_ok_trial(trials):
+        raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
+    if not args.no_plots:
+        from mbtune.plots import write_plots
+
+        written, skipped = write_plots(trials, info)
+        print("plots: " + ", ".join(str(p) for p in written), file=notes)
+        for line in skipped:
+            print(line, file=notes)
+    return 0
+
+
+def _export(trials: Any, info: Any, framework: str) -> int:
+    """Print the run's recommendation as ``framework``'s snippet and write it to the run."""
+    from mbtune.analysis import recommendation
+    from mbtune.export import export_config
+
+    rec = recommendation(trials, info)
+    c = rec.config
+    speed = f"{rec.samples_per_s:,.1f} samples/s " if rec.samples_per_s is not None else ""
+    header = (
+        f"mbtune: num_devices {c.num_devices}, batch_size {c.batch_size}, micro_batch_size "
+        f"{c.micro_batch_size}: {speed}in {info.path} ({rec.source})"
+    )
+    snippet = export_config(
+        framework,
+        c,
+        pipeline_stages=rec.pipeline_stages,
+        recommended_batch_size=rec.recommended_batch_size,
+        header=header,
+    )
+    path = info.path / snippet.filename
+    print(snippet.text, end="")
+    try:
+        path.write_text(snippet.text, encoding="utf-8")
+    except OSError as e:
+        raise MbtuneError(f"--export: cannot write {path}: {e.strerror or e}") from None
+    for note in snippet.notes:
+        print(f"mbtune: {note}", file=sys.stderr)
+    print(f"mbtune: wrote {path}", file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------

@@ -164,3 +164,192 @@ def test_console_script_help():
         assert out.startswith("usage: mbtune")
     result = subprocess.run([exe, "validate", "/nonexistent.yaml"], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+# -- analyze -------------------------------------------------------------------
+
+
+def test_analyze_prints_the_ranked_trials_the_failed_ones_and_the_pivot(capsys, tmp_path):
+    from rundirs import PNG_MAGIC, finished_run
+
+    path = finished_run(tmp_path)
+    code, out, err = run(capsys, "analyze", path)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"{path}: 'handmade', 6 trials (4 ok, 1 error, 1 oom); status confident"
+    assert lines[1] == (
+        "recommended (summary.json, confidence 92): num_devices 2, batch_size 32, "
+        "micro_batch_size 8 (2 micro-batches per device): 630.0 samples/s"
+    )
+    ranked = lines[lines.index("trials, best first by samples_per_s:") + 2 :][:4]
+    assert [row.split()[:5] for row in ranked] == [
+        ["1", "2", "32", "2", "8"], ["2", "5", "32", "2", "4"],
+        ["3", "4", "32", "1", "8"], ["4", "1", "32", "1", "4"],
+    ]  # fmt: skip
+    failed = lines[lines.index("failed trials:") + 1 :][:3]
+    assert failed[1].split()[:6] == ["3", "32", "2", "16", "oom", "oom"]
+    assert failed[2].split()[:5] == ["6", "32", "1", "32", "error"]
+    pivot = lines[lines.index("samples/s by micro_batch_size x num_devices:") + 1 :][:5]
+    assert pivot[0].split() == ["micro_batch_size", "num_devices", "1", "num_devices", "2"]
+    assert pivot[3].split() == ["16", "oom"] and pivot[4].split() == ["32", "error"]
+    assert lines[-1].startswith(f"plots: {path / 'plot-throughput.png'}, ")
+    for name in ("throughput", "memory", "step-time", "confidence"):
+        assert (path / f"plot-{name}.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "markdown"])
+def test_analyze_formats(capsys, tmp_path, fmt):
+    import pandas as pd
+    from rundirs import finished_run
+
+    path = finished_run(tmp_path)
+    code, out, err = run(capsys, "analyze", path, "--format", fmt, "--no-plots")
+    assert code == 0 and err == ""
+    if fmt == "csv":
+        table = pd.read_csv(__import__("io").StringIO(out))
+        assert table["trial"].tolist() == [2, 5, 4, 1, 3, 6] and "reason" in table
+    elif fmt == "json":
+        records = json.loads(out)
+        assert [r["rank"] for r in records] == [1, 2, 3, 4, None, None]
+        assert records[0]["step_times_ms"] and records[-1]["status"] == "error"
+    else:
+        assert "**trials, best first by samples_per_s**" in out
+        assert "| rank | trial | batch_size | num_devices | micro_batch_size |" in out
+        assert "| 16 | | oom |" in out.replace("|  |", "| |")
+    assert not list(path.glob("*.png"))  # --no-plots
+
+
+def test_analyze_machine_formats_keep_stdout_clean(capsys, tmp_path):
+    from rundirs import FINISHED_ROWS, make_run
+
+    path = make_run(tmp_path, FINISHED_ROWS)  # no recommendations.jsonl: confidence skipped
+    code, out, err = run(capsys, "analyze", path, "--format", "json")
+    assert code == 0 and len(json.loads(out)) == 6
+    assert err.splitlines() == [
+        f"plots: {path / 'plot-throughput.png'}, {path / 'plot-memory.png'}, "
+        f"{path / 'plot-step-time.png'}",
+        "plot-confidence.png not written: the run has no recommendations.jsonl (older run?)",
+    ]
+
+
+def test_analyze_compares_two_runs(capsys, tmp_path):
+    from rundirs import FINISHED_ROWS, PNG_MAGIC, make_run, trial_row
+
+    a = make_run(tmp_path, FINISHED_ROWS, name="before")
+    b = make_run(tmp_path, [trial_row(32, 2, 8, 693.0), trial_row(32, 2, 4, 295.0)], name="after")
+    code, out, err = run(capsys, "analyze", a, b)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"a: {a} ('handmade', 6 trials: 4 ok, 1 error, 1 oom); best: ")
+    assert lines[1].endswith("micro_batch_size 8: 693.0 samples/s")
+    assert lines[2] == "best of b / best of a: 1.10x"
+    rows = {tuple(r.split()[:3]): r.split() for r in lines[5:]}
+    assert rows[("32", "2", "8")][-1] == "1.10" and rows[("32", "2", "4")][-1] == "0.50"
+    assert rows[("32", "2", "16")][-1] == "oom"  # measured in a only: no ratio
+    assert lines[-1] == f"plot: {a / 'compare-after.png'}"
+    assert (a / "compare-after.png").read_bytes().startswith(PNG_MAGIC)
+    code, out, _ = run(capsys, "analyze", a, b, "--format", "csv", "--no-plots")
+    assert out.splitlines()[0] == (
+        "batch_size,num_devices,micro_batch_size,grad_accum_steps,samples_per_s_a,status_a,"
+        "samples_per_s_b,status_b,ratio"
+    )
+
+
+@pytest.mark.parametrize("framework", ["cerebras", "composer", "deepspeed", "hf", "lightning",
+                                       "megatron"])  # fmt: skip
+def test_analyze_exports_the_recommendation(capsys, tmp_path, framework):
+    from rundirs import finished_run
+    from test_export import READ_BACK  # each framework's snippet read back, its rule checked
+
+    path = finished_run(tmp_path)
+    code, out, err = run(capsys, "analyze", path, "--export", framework)
+    written = next(path.glob(f"export-{framework}.*"))
+    assert code == 0 and out == written.read_text()
+    assert err.splitlines()[-1] == f"mbtune: wrote {written}"
+    assert "launch on 2 data-parallel devices" in err
+    assert READ_BACK[framework](out, 2) == {"batch_size": 32, "micro_batch_size": 8}
+    assert not list(path.glob("*.png"))  # an export draws nothing
+
+
+def test_analyze_export_says_what_changed_for_an_uneven_recommendation(capsys, tmp_path):
+    from rundirs import make_run, trial_row
+
+    path = make_run(tmp_path, [trial_row(30, 2, 4, 500.0), trial_row(30, 2, 8, 400.0)])
+    code, out, err = run(capsys, "analyze", path, "--export", "deepspeed")
+    assert code == 0 and json.loads(out) == {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 4,
+    }  # fmt: skip
+    assert "batch_size 30 on 2 devices with micro_batch_size 4 splits unevenly" in err
+    assert "exported the nearest batch_size it can express, 32" in err
+
+
+def _bad_analyze_cases():
+    from rundirs import FINISHED_ROWS, finished_run, make_run, trial_row
+
+    def only_failed(tmp):
+        return make_run(tmp, [trial_row(32, 1, 32, status="oom"),
+                              trial_row(32, 2, 16, status="timeout")])  # fmt: skip
+
+    def header_only(tmp):
+        path = make_run(tmp, [], name="header-only")
+        (path / "trials.csv").write_text("trial,status,batch_size,num_devices,micro_batch_size\n")
+        return path
+
+    def unwritable(tmp, name):
+        path = finished_run(tmp)
+        (path / name).mkdir()  # a directory where the file should go
+        return path
+
+    def bad_summary(tmp):
+        path = make_run(tmp, FINISHED_ROWS)
+        (path / "summary.json").write_text('{"status": "fini')
+        return path
+
+    return {
+        "not a run": (lambda tmp: [tmp], r"RUN_DIR: .* is not an mbtune run directory \(it "
+                      r"has no experiment\.yaml\)"),
+        "no trials.csv": (lambda tmp: [make_run(tmp, [])], r"has no trials\.csv yet: no trial "
+                          r"of this run has finished"),
+        "no finished row": (lambda tmp: [header_only(tmp)], r"RUN_DIR: .* has no finished trial"),
+        "only failed trials": (lambda tmp: [only_failed(tmp)], r"RUN_DIR: no trial of .* ran "
+                               r"successfully \(2 trials: oom 1, timeout 1; first reason: oom "
+                               r"for the test\); nothing to rank, plot or export"),
+        "export of only failed trials": (lambda tmp: [only_failed(tmp), "--export", "hf"],
+                                         r"no trial of .* ran successfully"),
+        "unknown framework": (lambda tmp: [finished_run(tmp), "--export", "keras"],
+                              r"--export: unknown framework 'keras'; valid: cerebras, composer, "
+                              r"deepspeed, hf, lightning, megatron"),
+        "export of two runs": (lambda tmp: [finished_run(tmp), finished_run(tmp, name="b"),
+                                            "--export", "hf"], r"--export: give one run"),
+        "compare with an empty run": (lambda tmp: [finished_run(tmp), header_only(tmp)],
+                                      r"RUN_DIR: .* has no finished trial yet"),
+        "three runs": (lambda tmp: [tmp, tmp, tmp], r"analyze: give one run directory, or two "
+                       r"to compare; got 3"),
+        "bad summary.json": (lambda tmp: [bad_summary(tmp)], r"summary\.json is not valid JSON"),
+        "plot not writable": (lambda tmp: [unwritable(tmp, "plot-memory.png")],
+                              r"cannot write the plot .*plot-memory\.png: Is a directory"),
+        "export not writable": (lambda tmp: [unwritable(tmp, "export-hf.json"), "--export", "hf"],
+                                r"--export: cannot write .*export-hf\.json: Is a directory"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_bad_analyze_cases()))
+def test_analyze_bad_input_exits_2_with_one_line(capsys, tmp_path, case):
+    argv, message = _bad_analyze_cases()[case]
+    code, out, err = run(capsys, "analyze", *argv(tmp_path))
+    assert code == 2 and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("mbtune: error: ")
+    assert re.search(message, err), err
+    if case == "only failed trials":  # the failures are shown before the one-line error
+        assert "failed trials:" in out and "timeout for the test" in out
+        assert not list(argv(tmp_path / "again")[0].glob("*.png"))
+
+
+def test_analyze_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["analyze", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: mbtune analyze")
+    for option in ("--format", "--export", "--no-plots", "RUN_DIR"):
+        assert option in out

@@ -1,0 +1,196 @@
+"""A configuration as the snippet another training framework reads.
+
+Pure: integers in, text out. Each framework has its own rule for how the numbers must
+relate (DeepSpeed: train_batch_size = micro-batch x accumulation x world size), and most
+cannot express the uneven splits mbtune measures (devices or micro-batches that differ by
+one sample). Such a configuration is exported as the nearest one the framework can
+express, and every change is said in ``Export.notes``:
+
+1. the micro-batch size becomes the one that really ran (m = 5 on 8 samples runs two
+   micro-batches of 4: the same measurement as m = 4);
+2. the run's own recommended global batch for (n, m) is used where it has one;
+3. otherwise the batch size moves to the nearest one the framework accepts for the same
+   n and m (ties go up), as explore mode recommends a global batch (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
+
+__all__ = ["FRAMEWORKS", "RULES", "Export", "expressible", "export_config"]
+
+FRAMEWORKS = ("cerebras", "composer", "deepspeed", "hf", "lightning", "megatron")
+
+RULES = {
+    "cerebras": "batch_size divisible by num_csx, and batch_size / num_csx divisible by "
+    "micro_batch_size",
+    "composer": "global_train_batch_size divisible by the number of devices, and "
+    "device_train_microbatch_size at most the per-device batch",
+    "deepspeed": "train_batch_size = train_micro_batch_size_per_gpu x "
+    "gradient_accumulation_steps x world size",
+    "hf": "per_device_train_batch_size x gradient_accumulation_steps x devices = the global batch",
+    "lightning": "DataLoader batch_size x accumulate_grad_batches x devices = the global batch",
+    "megatron": "--global-batch-size divisible by --micro-batch-size x the data-parallel size",
+}
+"""How each framework requires the numbers to relate, in its own names."""
+
+_SUFFIX = {
+    "cerebras": "yaml", "composer": "yaml", "deepspeed": "json", "hf": "json",
+    "lightning": "py", "megatron": "args",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Export:
+    """One framework's snippet for one configuration."""
+
+    framework: str
+    config: BatchConfig
+    """The configuration the snippet expresses (may differ from the measured one)."""
+    text: str
+    """The snippet, as the framework reads it."""
+    notes: tuple[str, ...] = ()
+    """What changed from the measured configuration and why, and how to launch it."""
+
+    @property
+    def filename(self) -> str:
+        return _filename(self.framework)
+
+
+def export_config(
+    framework: str,
+    config: BatchConfig,
+    *,
+    pipeline_stages: int = 1,
+    recommended_batch_size: int | None = None,
+    header: str | None = None,
+) -> Export:
+    """``config`` as ``framework``'s snippet; ``header`` becomes a comment where the
+    format has comments (YAML, Python, arguments; not JSON)."""
+    if framework not in FRAMEWORKS:
+        raise MbtuneError(
+            f"--export: unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}"
+        )
+    exported, notes = expressible(framework, config, recommended_batch_size)
+    b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
+    g = exported.grad_accum_steps
+    comment = f"# {header}\n" if header else ""
+    launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
+    if pipeline_stages > 1:
+        launch += f" x {pipeline_stages} pipeline stages ({n * pipeline_stages} in all)"
+    if framework == "cerebras":
+        text = (
+            f"{comment}train_input:\n  batch_size: {b}\n  micro_batch_size: {m}\n"
+            f"runconfig:\n  num_csx: {n}\n"
+        )
+    elif framework == "composer":
+        text = (
+            f"{comment}# world size {n}: each device loads {b // n} samples per step\n"
+            f"global_train_batch_size: {b}\ndevice_train_microbatch_size: {m}\n"
+        )
+    elif framework == "deepspeed":
+        text = _json(
+            train_batch_size=b, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=g
+        )
+        notes.append(f"{launch} (DeepSpeed's world size {n})")
+    elif framework == "hf":
+        text = _json(per_device_train_batch_size=m, gradient_accumulation_steps=g)
+        notes.append(f"{launch}; pass the keys to transformers.TrainingArguments")
+    elif framework == "lightning":
+        text = (
+            f"{comment}trainer = Trainer(devices={n}, accumulate_grad_batches={g})\n"
+            f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
+        )
+    else:
+        pipeline = f" --pipeline-model-parallel-size {pipeline_stages}" * (pipeline_stages > 1)
+        text = (
+            f"{comment}# data-parallel size {n}: {g} micro-batches per step on each replica\n"
+            f"--micro-batch-size {m} --global-batch-size {b}{pipeline}\n"
+        )
+    if framework in ("cerebras", "composer", "lightning", "megatron"):
+        notes.append(launch)
+    return Export(framework, exported, text, tuple(notes))
+
+
+def expressible(
+    framework: str, config: BatchConfig, recommended_batch_size: int | None = None
+) -> tuple[BatchConfig, list[str]]:
+    """The configuration ``framework`` can express nearest to ``config``, and why it
+    differs (empty notes: it is ``config`` itself)."""
+    notes = []
+    n, m = config.num_devices, config.canonical_micro_batch_size
+    if m != config.micro_batch_size:
+        notes.append(
+            f"micro_batch_size {config.micro_batch_size} runs the per-device batch "
+            f"{config.per_device_batch} as {config.grad_accum_steps} micro-batches of at most "
+            f"{m}: exported as micro_batch_size {m} (the same measurement)"
+        )
+    b = config.batch_size
+    rb = recommended_batch_size
+    if rb and rb != b and _fits(framework, rb, n, m):
+        notes.append(
+            f"batch_size {rb} is the run's recommended global batch for num_devices {n} and "
+            f"micro_batch_size {m} (measured at batch_size {b})"
+        )
+        b = rb
+    if not _fits(framework, b, n, m):
+        nearest = _nearest(framework, b, n, m)
+        notes.append(
+            f"{framework} needs {RULES[framework]}, but batch_size {b} on {n} device"
+            f"{'s' if n > 1 else ''} with micro_batch_size {m} splits unevenly "
+            f"({_split(b, n, m)}): exported the nearest batch_size it can express, {nearest} "
+            f"({_split(nearest, n, m)}), which was not measured as such"
+        )
+        b = nearest
+    exported = BatchConfig(b, n, m)
+    if framework == "composer" and (b // n) % m:
+        chunks = [m] * ((b // n) // m) + [(b // n) % m]  # composer cuts micro-batches of m
+        if chunks != exported.micro_batch_sizes:
+            notes.append(
+                f"composer splits the per-device batch {b // n} as "
+                f"{'+'.join(map(str, chunks))} where mbtune measured "
+                f"{'+'.join(map(str, exported.micro_batch_sizes))} (as many micro-batches, "
+                "the same largest one)"
+            )
+    return exported, notes
+
+
+def _fits(framework: str, batch_size: int, num_devices: int, micro_batch_size: int) -> bool:
+    if batch_size < num_devices or batch_size % num_devices:
+        return False  # no framework spreads a global batch unevenly over devices
+    per_device = batch_size // num_devices
+    if framework == "composer":  # composer cuts the last micro-batch short
+        return micro_batch_size <= per_device
+    return per_device % micro_batch_size == 0
+
+
+def _nearest(framework: str, batch_size: int, num_devices: int, micro_batch_size: int) -> int:
+    """The nearest batch size ``framework`` accepts for (n, m); a tie goes up. Above always
+    fits: it is a multiple of n (x m) with a per-device share of at least ceil(B / n) >= m."""
+    step = 1 if framework == "composer" else micro_batch_size
+    below, above = nearest_valid_batch_sizes(batch_size, num_devices, step)
+    fits = [c for c in (above, below) if c and _fits(framework, c, num_devices, micro_batch_size)]
+    return min(fits, key=lambda c: abs(c - batch_size))
+
+
+def _split(batch_size: int, num_devices: int, micro_batch_size: int) -> str:
+    """How a configuration runs, e.g. 'per device 15 as 4+4+4+3'."""
+    config = BatchConfig(batch_size, num_devices, micro_batch_size)
+    devices = sorted(set(config.device_batch_sizes), reverse=True)
+    micro = config.micro_batch_sizes
+    runs = f"{len(micro)} x {micro[0]}" if len(set(micro)) == 1 else "+".join(map(str, micro))
+    if len(devices) > 1:
+        return f"per device {devices[0]} or {devices[1]}, the busiest as {runs}"
+    return f"per device {devices[0]} as {runs}"
+
+
+def _json(**values: int) -> str:
+    return json.dumps(values, indent=2) + "\n"
+
+
+def _filename(framework: str) -> str:
+    return f"export-{framework}.{_SUFFIX[framework]}"

@@ -1,0 +1,313 @@
+"""The analysis: a run directory as a typed frame, ranked, pivoted, compared and printed."""
+
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from rundirs import FINISHED_ROWS, finished_run, make_run, trial_row
+
+import mbtune
+from mbtune import analysis
+from mbtune.analysis import COLUMNS, load_run, load_runs
+from mbtune.config import parse_experiment
+from mbtune.errors import MbtuneError
+from mbtune.rundir import TRIAL_COLUMNS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REPLAY_TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,peak_memory_bytes,status
+4,1,1,100,100000000,ok
+4,1,2,180,200000000,ok
+4,1,4,300,900000000,ok
+4,2,1,190,100000000,ok
+4,2,2,,,oom
+"""
+
+
+@pytest.fixture(scope="module")
+def replay_run(ray_session, tmp_path_factory):
+    """A real (replay) search of five configurations, once for this module: 4,1,4 goes
+    over the 512 MiB budget and 4,2,2 is an oom in the table."""
+    from mbtune.search import run_search
+
+    tmp = tmp_path_factory.mktemp("replay")
+    (tmp / "t.csv").write_text(REPLAY_TABLE)
+    exp = parse_experiment(
+        {
+            "name": "analysis",
+            "model": "mlp",
+            "train_input": {"batch_size": 4, "micro_batch_size": "auto"},
+            "search": {"space": {"num_devices": [1, 2]}, "sampler": "grid"},
+            "trial": {"backend": "replay", "table": str(tmp / "t.csv"),
+                      "device_memory": "512MiB", "measure_steps": 3},
+            "output_dir": str(tmp / "runs"),
+        }
+    )  # fmt: skip
+    return run_search(exp, echo=lambda line: None).run.path
+
+
+# ---------------------------------------------------------------------------
+# load_run
+
+
+@pytest.mark.ray
+def test_load_run_reads_a_finished_search(replay_run):
+    df = load_run(replay_run)
+    assert list(df.columns[: len(COLUMNS)]) == list(COLUMNS)
+    assert len(df) == 5 and df["trial"].tolist() == [1, 2, 3, 4, 5]
+    for name in ("trial", "batch_size", "num_devices", "micro_batch_size", "per_device_batch",
+                 "grad_accum_steps", "pipeline_stages"):  # fmt: skip
+        assert df[name].dtype == np.int64, name
+    for name in ("samples_per_s", "step_time_ms_median", "peak_memory_bytes", "wall_s"):
+        assert df[name].dtype == np.float64, name
+    assert pd.api.types.is_datetime64_any_dtype(df["finished_at"])
+    by_config = df.set_index(["num_devices", "micro_batch_size"])
+    assert sorted(by_config.index) == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)]
+    assert by_config.loc[(1, 2), "samples_per_s"] == pytest.approx(180.0)
+    assert by_config.loc[(1, 2), "grad_accum_steps"] == 2
+    assert by_config.loc[(1, 2), "step_times_ms"] == pytest.approx([4 / 180 * 1e3] * 3, rel=1e-3)
+    assert by_config.loc[(1, 4), "status"] == "oom" and "512" in by_config.loc[(1, 4), "reason"]
+    assert by_config.loc[(2, 2), "status"] == "oom"
+    assert math.isnan(by_config.loc[(2, 2), "samples_per_s"])  # empty -> NaN, not ''
+    assert df.attrs["dropped_rows"] == 0
+
+
+@pytest.mark.ray
+def test_analyze_a_finished_search_end_to_end(replay_run, capsys):
+    from mbtune.cli import main
+
+    code = main(["analyze", str(replay_run)])
+    out = capsys.readouterr().out
+    assert code == 0
+    first = out.split("trials, best first by samples_per_s:")[1].splitlines()[2].split()
+    assert first[:5] == ["1", "4", "4", "2", "1"]  # rank, trial, B, n, m: 2 devices x 1
+    for name in ("plot-throughput.png", "plot-memory.png", "plot-step-time.png"):
+        assert (replay_run / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_interrupted_run_is_read_as_far_as_it_got(tmp_path):
+    path = make_run(tmp_path, FINISHED_ROWS[:3])  # no summary.json: the search was stopped
+    df = load_run(path)
+    assert df["trial"].tolist() == [1, 2, 3] and df["status"].tolist() == ["ok", "ok", "oom"]
+    assert df["samples_per_s"].tolist()[:2] == [300.0, 630.0]
+    info = analysis.run_info(path)
+    assert info.summary is None and info.recommendations is None
+    assert analysis.recommendation(df, info).config.sizes() == {
+        "batch_size": 32, "num_devices": 2, "micro_batch_size": 8
+    }  # fmt: skip
+
+
+def _kill_mid_row(path: Path, keep: int) -> None:
+    """Cut trials.csv inside its last row, as a driver killed while writing it leaves it."""
+    csv_file = path / "trials.csv"
+    text = csv_file.read_text()
+    last = text.rstrip("\n").rfind("\n") + 1
+    csv_file.write_text(text[: last + keep])
+
+
+@pytest.mark.parametrize("keep", [1, 12, 60])
+def test_a_killed_run_drops_its_half_written_last_row(tmp_path, keep):
+    path = make_run(tmp_path, FINISHED_ROWS[:4])
+    _kill_mid_row(path, keep)
+    df = load_run(path)
+    assert df["trial"].tolist() == [1, 2, 3]
+    assert df.attrs["dropped_rows"] == 1
+
+
+def test_a_row_cut_between_its_carriage_return_and_newline_is_complete(tmp_path):
+    path = make_run(tmp_path, FINISHED_ROWS[:2])
+    csv_file = path / "trials.csv"
+    csv_file.write_bytes(csv_file.read_bytes().removesuffix(b"\n"))  # rows end in \r\n
+    df = load_run(path)
+    assert df["trial"].tolist() == [1, 2] and df.attrs["dropped_rows"] == 0
+
+
+def test_a_killed_run_that_was_resumed_drops_the_merged_row(tmp_path):
+    path = make_run(tmp_path, FINISHED_ROWS[:3])
+    _kill_mid_row(path, 20)
+    from mbtune.rundir import RunDir
+
+    RunDir(path).append_trial({"trial": 4, **FINISHED_ROWS[3]})  # appended onto the half row
+    RunDir(path).append_trial({"trial": 5, **FINISHED_ROWS[4]})
+    df = load_run(path)
+    assert df["trial"].tolist() == [1, 2, 5] and df.attrs["dropped_rows"] == 1
+
+
+def test_a_run_killed_before_its_first_trial(tmp_path):
+    path = make_run(tmp_path, [])
+    with pytest.raises(MbtuneError, match=r"has no trials.csv yet: no trial of this run"):
+        load_run(path)
+    (path / "trials.csv").write_text("trial,trial_id,sta")  # killed inside the header
+    assert load_run(path).empty
+    (path / "trials.csv").write_text(",".join(TRIAL_COLUMNS) + "\n")
+    df = load_run(path)
+    assert df.empty and list(df.columns) == list(COLUMNS)
+
+
+def test_a_directory_that_is_not_a_run(tmp_path):
+    with pytest.raises(MbtuneError, match=r"is not an mbtune run directory"):
+        load_run(tmp_path)
+
+
+def test_older_or_sparser_rows_are_completed_from_the_sizes(tmp_path):
+    path = make_run(tmp_path, [])
+    (path / "trials.csv").write_text(
+        "trial,status,batch_size,num_devices,micro_batch_size,samples_per_s,extra\n"
+        "1,ok,30,2,4,100.5,kept\n"
+        "2,error,30,2,x,,\n"  # no usable micro_batch_size: dropped
+    )
+    df = load_run(path)
+    assert len(df) == 1 and df.attrs["dropped_rows"] == 1
+    row = df.iloc[0]
+    assert (row["per_device_batch"], row["grad_accum_steps"], row["pipeline_stages"]) == (15, 4, 1)
+    assert not row["strict"] and row["extra"] == "kept"
+    assert row["step_times_ms"] == [] and math.isnan(row["tokens_per_s"])
+
+
+def test_load_runs_adds_a_run_column(tmp_path):
+    a = make_run(tmp_path / "x", FINISHED_ROWS[:2], name="same")
+    b = make_run(tmp_path / "y", FINISHED_ROWS[:3], name="same")
+    c = make_run(tmp_path, FINISHED_ROWS[:1], name="other")
+    df = load_runs([a, b, c])
+    assert df.columns[0] == "run" and len(df) == 6
+    assert df["run"].tolist() == [str(a)] * 2 + [str(b)] * 3 + ["other"]
+    with pytest.raises(MbtuneError, match="at least one run directory"):
+        load_runs([])
+
+
+def test_the_package_exports_the_loaders_without_importing_pandas_early():
+    code = (
+        "import sys, mbtune; assert 'pandas' not in sys.modules; "
+        "from mbtune import load_run, load_runs; assert 'pandas' in sys.modules; "
+        "import mbtune.analysis, mbtune.export, mbtune.plots; "
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert mbtune.load_run is load_run and mbtune.load_runs is load_runs
+
+
+def test_every_column_is_documented():
+    docs = (ROOT / "docs" / "analysis.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", docs, flags=re.M))
+    assert set(COLUMNS) <= documented
+
+
+# ---------------------------------------------------------------------------
+# ranking, pivots, recommendation
+
+
+def test_ranked_puts_the_best_first_and_the_failed_last(tmp_path):
+    df = load_run(make_run(tmp_path, FINISHED_ROWS))
+    table = analysis.ranked(df)
+    assert table["trial"].tolist() == [2, 5, 4, 1, 3, 6]
+    assert table["rank"].tolist()[:4] == [1, 2, 3, 4] and table["rank"].isna().tolist()[4:] == [
+        True, True
+    ]  # fmt: skip
+
+
+def test_ranked_follows_the_objective_not_the_raw_throughput(tmp_path):
+    rows = [
+        trial_row(32, 1, 8, 400.0, objective="samples_per_s_per_device"),  # 400 per device
+        trial_row(32, 2, 8, 630.0, objective="samples_per_s_per_device"),  # 315 per device
+    ]
+    table = analysis.ranked(load_run(make_run(tmp_path, rows)))
+    assert table["num_devices"].tolist() == [1, 2]
+
+
+def test_pivot_of_samples_per_s_with_statuses(tmp_path):
+    df = load_run(make_run(tmp_path, FINISHED_ROWS))
+    pivot = analysis.throughput_pivot(df)
+    assert list(pivot.index) == [4, 8, 16, 32] and list(pivot.columns) == [1, 2]
+    assert pivot.loc[8, 2] == 630.0 and math.isnan(pivot.loc[16, 2])
+    text = analysis.status_pivot(df)
+    assert (text.loc[16, 2], text.loc[32, 1], text.loc[16, 1]) == ("oom", "error", "")
+    assert text.loc[8, 2] == "630.0"
+
+
+def test_the_recommendation_comes_from_summary_json_else_the_best_trial(tmp_path):
+    summary = {"status": "finished", "confidence": 80, "recommended_batch_size": 64,
+               "recommended": {"batch_size": 32, "num_devices": 1, "micro_batch_size": 8,
+                               "samples_per_s": 320.0}}  # fmt: skip
+    path = make_run(tmp_path, FINISHED_ROWS, summary=summary)
+    rec = analysis.recommendation(load_run(path), analysis.run_info(path))
+    assert (rec.config.num_devices, rec.config.micro_batch_size, rec.source) == (
+        1, 8, "summary.json"
+    )  # fmt: skip
+    assert (rec.confidence, rec.recommended_batch_size, rec.grad_accum_steps) == (80, 64, 4)
+    (path / "summary.json").write_text('{"recommended": {"batch_size": "many"}}')
+    with pytest.raises(MbtuneError, match="'recommended' needs batch_size"):
+        analysis.recommendation(load_run(path), analysis.run_info(path))
+    (path / "summary.json").write_text("{not json")
+    with pytest.raises(MbtuneError, match="summary.json is not valid JSON"):
+        analysis.run_info(path)
+
+
+def test_no_recommendation_without_an_ok_trial(tmp_path):
+    path = make_run(
+        tmp_path, [trial_row(32, 1, 32, status="oom"), trial_row(32, 2, 16, None, "error")]
+    )
+    with pytest.raises(
+        MbtuneError,
+        match=r"successfully \(2 trials: error 1, oom 1; first reason: oom for the test\); nothing",
+    ):
+        analysis.recommendation(load_run(path), analysis.run_info(path))
+
+
+def test_recommendations_jsonl_skips_a_half_written_line(tmp_path):
+    path = finished_run(tmp_path)
+    with (path / "recommendations.jsonl").open("a") as f:
+        f.write('{"time": "2026-11-21T19:41:12", "trials": 6, "confid')
+    recs = analysis.load_recommendations(path)
+    assert recs["trials"].tolist() == [1, 2, 5] and recs["confidence"].tolist() == [10, 40, 92]
+    assert analysis.load_recommendations(tmp_path) is None
+
+
+# ---------------------------------------------------------------------------
+# compare and text
+
+
+def test_compare_matches_configurations_and_gives_the_ratio(tmp_path):
+    a = load_run(make_run(tmp_path, FINISHED_ROWS, name="a"))
+    b_rows = [trial_row(32, 2, 8, 693.0), trial_row(32, 2, 16, 700.0), trial_row(32, 1, 2, 50.0),
+              trial_row(32, 2, 4, 600.0, "oom")]  # fmt: skip
+    b = load_run(make_run(tmp_path, b_rows, name="b"))
+    both = analysis.compare_runs(a, b).set_index(["num_devices", "micro_batch_size"])
+    assert both.loc[(2, 8), "ratio"] == pytest.approx(1.1)
+    assert (both.loc[(2, 16), "status_a"], both.loc[(2, 16), "status_b"]) == ("oom", "ok")
+    assert math.isnan(both.loc[(2, 16), "ratio"])
+    assert both.loc[(2, 4), "samples_per_s_b"] == 600.0 and math.isnan(both.loc[(2, 4), "ratio"])
+    assert math.isnan(both.loc[(1, 2), "samples_per_s_a"]) and pd.isna(both.loc[(1, 2), "status_a"])
+    assert len(both) == 7  # the union of both runs' configurations
+
+
+def test_best_per_config_keeps_the_fastest_ok_trial(tmp_path):
+    rows = [trial_row(32, 1, 8, status="oom"), trial_row(32, 1, 8, 300.0),
+            trial_row(32, 1, 8, 310.0)]  # fmt: skip
+    best = analysis.best_per_config(load_run(make_run(tmp_path, rows)))
+    assert len(best) == 1 and best["samples_per_s"].iloc[0] == 310.0
+
+
+def test_render_table_formats(tmp_path):
+    table = analysis.ranked(load_run(make_run(tmp_path, FINISHED_ROWS)))
+    records = json.loads(analysis.render_table(table, "json"))
+    assert records[0]["rank"] == 1 and records[0]["samples_per_s"] == 630.0
+    assert records[-1]["rank"] is None and records[-1]["samples_per_s"] is None
+    back = pd.read_csv(io.StringIO(analysis.render_table(table, "csv")))
+    assert back["trial"].tolist() == [2, 5, 4, 1, 3, 6] and back["step_times_ms"].iloc[0]
+    markdown = analysis.render_table(table[["rank", "status"]], "markdown").splitlines()
+    assert markdown[:3] == ["| rank | status |", "|---:|---|", "| 1 | ok |"]
+    assert markdown[-1] == "|  | error |" and len(markdown) == 2 + len(table)
+    text = analysis.render_table(table[["rank", "samples_per_s"]], "table",
+                                 floats={"samples_per_s": ",.1f"}).splitlines()  # fmt: skip
+    assert text[0] == "rank  samples_per_s" and text[1] == "   1          630.0"
+    with pytest.raises(MbtuneError, match="unknown format 'xml'"):
+        analysis.render_table(table, "xml")
