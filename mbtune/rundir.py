@@ -86,8 +86,11 @@ class RunDir:
     def append_trial(self, row: Mapping[str, Any]) -> None:
         """Append one finished trial and flush it to disk before returning."""
         new = not self.trials_file.exists()
+        cut = not new and not _ends_with_newline(self.trials_file)
         with self.trials_file.open("a", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+            if cut:  # a killed driver left half a row: end it, so this one stands alone
+                f.write("\r\n")
             if new:
                 writer.writeheader()
             writer.writerow({k: _cell(v) for k, v in row.items()})
@@ -99,7 +102,9 @@ class RunDir:
         if not self.trials_file.exists():
             return []
         with self.trials_file.open(newline="", encoding="utf-8") as f:
-            return [row for row in csv.DictReader(f) if row.get("trial")]
+            rows = list(csv.DictReader(f))
+        # a row cut short by a killed driver lacks fields (None) or has too many (None key)
+        return [r for r in rows if r.get("trial") and None not in r and None not in r.values()]
 
     def append_recommendation(self, record: Mapping[str, Any]) -> None:
         """Append one recommendation record and flush it to disk before returning."""
@@ -122,6 +127,15 @@ class RunDir:
 
     def write_json(self, name: str, data: Any) -> None:
         _atomic_write(self.path / name, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _cell(value: Any) -> Any:

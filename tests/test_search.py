@@ -171,3 +171,17 @@ def test_run_refuses_bad_directories_and_addresses(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("mbtune: error: --address: nothing answers at 127.0.0.1:9")
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_a_row_cut_short_by_a_killed_driver_is_skipped_and_not_glued_to_the_next(tmp_path):
+    from mbtune.rundir import RunDir
+
+    run = RunDir.create(tmp_path, "cut")
+    row = {"trial": 1, "trial_id": "a", "status": "ok", "batch_size": 32, "num_devices": 1,
+           "micro_batch_size": 4, "samples_per_s": 100.0}  # fmt: skip
+    run.append_trial(row)
+    with run.trials_file.open("a") as f:
+        f.write("2,b,ok,32,1")  # the driver died here
+    assert [r["trial_id"] for r in run.trials()] == ["a"]
+    run.append_trial({**row, "trial": 2, "trial_id": "c"})
+    assert [r["trial_id"] for r in run.trials()] == ["a", "c"]
