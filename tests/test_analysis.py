@@ -129,15 +129,15 @@ def test_a_row_cut_between_its_carriage_return_and_newline_is_complete(tmp_path)
     assert df["trial"].tolist() == [1, 2] and df.attrs["dropped_rows"] == 0
 
 
-def test_a_killed_run_that_was_resumed_drops_the_merged_row(tmp_path):
+def test_a_killed_run_that_was_resumed_drops_only_the_half_row(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS[:3])
     _kill_mid_row(path, 20)
     from mbtune.rundir import RunDir
 
-    RunDir(path).append_trial({"trial": 4, **FINISHED_ROWS[3]})  # appended onto the half row
+    RunDir(path).append_trial({"trial": 4, **FINISHED_ROWS[3]})  # ends the half row first
     RunDir(path).append_trial({"trial": 5, **FINISHED_ROWS[4]})
     df = load_run(path)
-    assert df["trial"].tolist() == [1, 2, 5] and df.attrs["dropped_rows"] == 1
+    assert df["trial"].tolist() == [1, 2, 4, 5] and df.attrs["dropped_rows"] == 1
 
 
 def test_a_run_killed_before_its_first_trial(tmp_path):
