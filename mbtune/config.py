@@ -192,7 +192,8 @@ class SearchConfig:
     time_budget_s: float | None = None
     """Stop starting trials after this many seconds; None: no limit."""
     confidence_target: int = 90
-    """Stop once the confidence score reaches this (1..99)."""
+    """Stop once the confidence score reaches this (1..99; 100, which the score never
+    reaches, never stops on confidence)."""
     noise_floor: float | None = None
     """Relative run-to-run drift of a measurement that its own step times cannot show
     (0.02 = 2%); None: 0.02 for real trials (bench/trial_repeatability measured 2.3% on
@@ -519,7 +520,7 @@ def _parse_search(raw: Any, base: Path) -> SearchConfig:
         objective=objective,
         num_samples=sec.int("num_samples", default=20),
         time_budget_s=sec.float("time_budget_s", default=None, minimum=0.0),
-        confidence_target=sec.int("confidence_target", default=90, maximum=99),
+        confidence_target=sec.int("confidence_target", default=90, maximum=100),
         noise_floor=sec.float("noise_floor", default=None, minimum=0.0, maximum=1.0),
         seed=sec.int("seed", default=0, minimum=0),
         start_points=_parse_points(sec.get("start_points", default=[]), "search.start_points"),

@@ -203,8 +203,8 @@ BAD = [
     ({"search": {"sampler": "tpee"}}, r"^search\.sampler: 'tpee' is not one of: tpe, gp, "
      r"random, model, grid, halving, doubling \(did you mean 'tpe'\?\)"),
     ({"search": {"objective": "speed"}}, r"^search\.objective: 'speed' is not one of"),
-    ({"search": {"confidence_target": 100}}, r"^search\.confidence_target: 100 is out of "
-     r"range; expected a whole number from 1 to 99"),
+    ({"search": {"confidence_target": 101}}, r"^search\.confidence_target: 101 is out of "
+     r"range; expected a whole number from 1 to 100"),
     ({"search": {"space": "nope"}}, r"^search\.space: unknown space 'nope'; valid: "
      r"data_parallel, default, powers_of_two"),
     ({"search": {"space": {"micro_batch_size": []}}}, r"^search\.space\.micro_batch_size: the "
