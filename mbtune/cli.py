@@ -317,6 +317,8 @@ def _run(args: argparse.Namespace) -> int:
         exp = load_experiment(args.experiment, args.overrides)
         check_user_model(exp)
         outcome = run_search(exp, warm_start=args.warm_start, **where)
+    if outcome.summary["status"] == "interrupted":
+        return 130  # as a shell reports a command stopped by Ctrl-C
     return 0 if outcome.best() else 1
 
 

@@ -7,12 +7,16 @@ cannot touch another: the actor records what happened and the search goes on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,7 @@ def run_search(
         storage=_optuna_storage(run),
         start_points=s.start_points,
         global_objective=s.objective == "samples_per_s",
+        ledger=run.trials_file,
     )
     if earlier is not None:
         told = _warm_start(searcher, earlier, exp, points)
@@ -135,18 +140,47 @@ RAY_DIR = "ray"
 
 
 def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any) -> SearchOutcome:
-    tuner.fit()
+    with _graceful_stop() as interrupted:
+        tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
     confident = bool(history) and history[-1]["confidence"] >= target
-    status = "confident" if confident else "finished"
+    status = "interrupted" if interrupted else "confident" if confident else "finished"
     summary = reporter.summary(rows, status, history)
     run.write_json("summary.json", summary)
     if status == "confident":
         echo(f"mbtune: stopping: the confidence score reached its target {target}")
+    if status == "interrupted":
+        echo(f"mbtune: interrupted; every finished trial is in {run.trials_file}; continue "
+             f"with: mbtune run --resume {run.path}")  # fmt: skip
     outcome = SearchOutcome(run, rows, summary)
     _print_summary(outcome, echo)
     return outcome
+
+
+@contextlib.contextmanager
+def _graceful_stop() -> Iterator[list[int]]:
+    """SIGINT or SIGTERM stop the search as Tune's own Ctrl-C does: running trials end,
+    Ray's state is saved for --resume, and fit() returns. A second signal stops at once.
+    Yields a list that holds the signal once one came."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # signals reach only the main thread: nothing to catch here
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for its Ctrl-C
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT is ours; SIGUSR1 stays Tune's
+    try:
+        yield received
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Reporter:

@@ -364,8 +364,11 @@ class DedupSearcher(Searcher):
         inner: Searcher,
         points: Sequence[BatchConfig],
         start_points: Sequence[BatchConfig] = (),
+        ledger: str | None = None,
     ) -> None:
         super().__init__(metric=METRIC, mode="max")
+        self.ledger = ledger
+        """The run's trials.csv: on restore, what finished since the last save."""
         self.inner = inner
         self.points = {p.canonical() for p in points}
         self.queue = [p.canonical() for p in start_points]
@@ -485,6 +488,19 @@ class DedupSearcher(Searcher):
         self.inner.restore(str(inner_path))
         inner_path.unlink()
         self.__dict__.update(state)
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Learn the trials that finished after Ray last saved this searcher (a driver
+        killed between the two): trials.csv, written first, is the record."""
+        if not self.ledger or not Path(self.ledger).exists():
+            return
+        from mbtune.rundir import RunDir
+
+        for row in RunDir(Path(self.ledger).parent).trials():
+            config = self.key(BatchConfig.from_mapping(row))
+            if config not in self.measured:
+                self.add_measured(config, float(row.get("objective") or 0.0))
 
 
 def _trial_attrs(result: dict | None, error: bool) -> dict[str, Any]:
@@ -505,6 +521,7 @@ def make_searcher(
     storage: Any = None,
     start_points: Sequence[BatchConfig] = (),
     global_objective: bool = True,
+    ledger: str | Path | None = None,
 ) -> DedupSearcher:
     """The searcher for ``search.sampler``, wrapped so nothing is measured twice."""
     baselines = {"grid": GridSearcher, "halving": HalvingSearcher, "doubling": DoublingSearcher}
@@ -513,4 +530,4 @@ def make_searcher(
         inner: Searcher = baselines[sampler](canonical)
     else:
         inner = _optuna_searcher(sampler, canonical, seed, storage, global_objective)
-    return DedupSearcher(inner, canonical, start_points)
+    return DedupSearcher(inner, canonical, start_points, str(ledger) if ledger else None)

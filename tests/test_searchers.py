@@ -176,3 +176,18 @@ def test_the_model_sampler_starts_in_the_middle_and_goes_where_the_best_is_likel
     assert BatchConfig(512, 8, 64) in measured[1:]
     study = searcher.inner._ot_study
     assert {t.user_attrs["status"] for t in study.trials} <= {"ok", "oom"}
+
+
+def test_a_restored_searcher_learns_what_finished_after_its_last_save(tmp_path):
+    from mbtune.rundir import RunDir
+
+    run = RunDir.create(tmp_path, "r")
+    searcher = make_searcher("tpe", POINTS, seed=0, ledger=run.trials_file)
+    path = str(tmp_path / "state.pkl")
+    searcher.save(path)  # Ray saved the searcher here, then two trials finished
+    for i, c in enumerate(POINTS[:2], start=1):
+        run.append_trial({"trial": i, "status": "ok", "objective": speed(c), **c.sizes()})
+    restored = make_searcher("tpe", POINTS, seed=0, ledger=run.trials_file)
+    restored.restore(path)  # ...and the driver was killed before the next save
+    rest = drive(restored, speed)
+    assert sorted(rest) == sorted(POINTS[2:])  # neither measured again

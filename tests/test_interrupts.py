@@ -1,0 +1,113 @@
+"""Interrupts: SIGINT/SIGTERM stop `mbtune run` cleanly, SIGKILL loses nothing finished,
+and `mbtune run --resume` completes the search with no trial lost or repeated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_search import TABLE
+
+MBTUNE = Path(sys.executable).with_name("mbtune")
+
+
+def experiment(tmp_path: Path) -> Path:
+    (tmp_path / "t.csv").write_text(TABLE)
+    spec = {
+        "name": "sig",
+        "model": "mlp",
+        "train_input": {"batch_size": 32, "micro_batch_size": "auto"},
+        # every configuration once, no stop on confidence: 11 trials unless interrupted
+        "search": {"space": {"num_devices": [1, 2]}, "sampler": "grid",
+                   "confidence_target": 100},
+        "trial": {"backend": "replay", "table": str(tmp_path / "t.csv")},
+        "output_dir": str(tmp_path / "runs"),
+    }  # fmt: skip
+    path = tmp_path / "sig.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3):
+    """Start `mbtune run`, send ``sig`` once ``after_rows`` trials are in trials.csv."""
+    proc = subprocess.Popen(
+        [MBTUNE, "run", str(experiment(tmp_path))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = list((tmp_path / "runs").glob("sig-*/trials.csv"))
+        if runs and len(runs[0].read_text().splitlines()) > after_rows:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the search never finished its first trials")
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err, runs[0].parent
+
+
+def rows(run: Path) -> list[dict]:
+    from mbtune.rundir import RunDir
+
+    return RunDir(run).trials()
+
+
+def resume_and_check(run: Path, before: list[dict]) -> None:
+    done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = rows(run)
+    assert after[: len(before)] == before  # nothing finished is lost or rewritten
+    configs = [(r["num_devices"], r["micro_batch_size"]) for r in after]
+    assert len(configs) == len(set(configs)) == 11  # nothing repeated, nothing missing
+    assert len({r["trial_id"] for r in after}) == 11
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_resume_completes_the_search(tmp_path):
+    code, out, err, run = start_and_signal(tmp_path, signal.SIGTERM)
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert "mbtune: interrupted; every finished trial is in" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    before = rows(run)
+    assert 3 <= len(before) < 11 and summary["trials"] == len(before)
+    resume_and_check(run, before)
+
+
+@pytest.mark.slow
+def test_a_killed_driver_loses_no_finished_trial_and_resume_completes_it(tmp_path):
+    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    before = rows(run)
+    assert len(before) >= 3 and not (run / "summary.json").exists()
+    resume_and_check(run, before)
+
+
+def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
+    from mbtune.search import _graceful_stop
+
+    asked = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: asked.append(s))
+    try:
+        with _graceful_stop() as received:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert received == [signal.SIGINT] and asked == [signal.SIGUSR1]
+            with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
