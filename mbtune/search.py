@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -194,14 +195,18 @@ def _check_reachable(address: str) -> None:
     import socket
 
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise MbtuneError(f"--address: {address!r} is not 'auto', host:port or ray://host:port")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+        raise MbtuneError(
+            f"--address: {address!r} is not 'auto', host:port or ray://host:port "
+            "(a port from 1 to 65535)"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a host name IDNA cannot encode
         raise MbtuneError(
-            f"--address: nothing answers at {address} ({e.strerror or e}); start a cluster "
-            "with `ray start --head`, or leave out --address for an embedded Ray"
+            f"--address: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
+            "start a cluster with `ray start --head`, or leave out --address for an embedded Ray"
         ) from None
 
 
