@@ -21,7 +21,16 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2) like every other error."""
 
     def error(self, message: str) -> NoReturn:
+        message = _printable(message)
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line, control characters escaped: a hostile YAML key or flag cannot
+    add lines to an error or send escape sequences to the terminal."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except MbtuneError as e:
-        print(f"mbtune: error: {e}", file=sys.stderr)
+        print(f"mbtune: error: {_printable(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("mbtune: interrupted", file=sys.stderr)
@@ -250,8 +259,8 @@ def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
 
 def _split(c: BatchConfig) -> str:
     """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8'."""
-    micro = c.micro_batch_sizes
-    sizes = f"of {micro[0]}" if len(set(micro)) == 1 else "of " + "+".join(map(str, micro))
+    q, r = divmod(c.per_device_batch, c.grad_accum_steps)
+    sizes = f"of {q}" if r == 0 else f"of {_micro_batches(c)}"
     return (
         f"{c.num_devices} device{'s' if c.num_devices > 1 else ''} x "
         f"{c.grad_accum_steps} micro-batch{'es' if c.grad_accum_steps > 1 else ''} {sizes}"
@@ -266,18 +275,30 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
     """One row per configuration of the experiment's space."""
     rows = []
     for c in exp.configs():
-        micro = c.micro_batch_sizes
         rows.append(
             {
                 **c.as_dict(),
-                "micro_batches": "+".join(map(str, micro))
-                if len(set(micro)) > 1
-                else f"{len(micro)}x{micro[0]}",
+                "micro_batches": _micro_batches(c),
                 "strict": c.is_strict,
                 "runs_as": c.canonical_micro_batch_size,
             }
         )
     return rows
+
+
+def _micro_batches(c: BatchConfig) -> str:
+    """The micro-batches one device runs: '4x8', '3+2+2', or '1000x3+24x2' for many.
+
+    Computed from (P, g) rather than from the list of sizes, which a configuration such as
+    batch_size 2**31 at micro_batch_size 1 would make billions of items long.
+    """
+    g = c.grad_accum_steps
+    q, r = divmod(c.per_device_batch, g)
+    if r == 0:
+        return f"{g}x{q}"
+    if g <= 8:
+        return "+".join(map(str, [q + 1] * r + [q] * (g - r)))
+    return f"{r}x{q + 1}+{g - r}x{q}"
 
 
 def _space(args: argparse.Namespace) -> int:

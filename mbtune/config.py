@@ -7,10 +7,12 @@ value given and what would be valid.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
 import math
 import re
+import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -343,6 +345,9 @@ def _enumerate(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
         batch_sizes = [s.batch_size if s.batch_size is not None else t.batch_size]
     if isinstance(t.micro_batch_size, int) and ms is not None and not batch_range:
         ms = None  # an explicit m is the user's choice; the space cannot vary it
+    range_ms = [t.micro_batch_size] if isinstance(t.micro_batch_size, int) else ms
+    if batch_range and range_ms is not None:
+        _check_range_work(ns, range_ms, s.batch_size.max)  # type: ignore[union-attr]
     with _lattice_rule("search.space"):
         return lattice.enumerate_configs(
             mode=t.micro_batch_size,
@@ -351,6 +356,23 @@ def _enumerate(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
             micro_batch_sizes=ms,
             batch_range=batch_range,
             allow_uneven=t.allow_uneven,
+        )
+
+
+def _check_range_work(ns: list[int], ms: list[int], batch_max: int) -> None:
+    """Refuse a batch_size range whose enumeration would visit too many (n, m) pairs.
+
+    With B free, the lattice visits every pair with n x m <= max B, even where no B of the
+    range fits; huge device and micro-batch ranges would take minutes to find nothing.
+    """
+    ms = sorted(ms)
+    pairs = sum(bisect.bisect_right(ms, batch_max // n) for n in ns)
+    if pairs > MAX_CONFIGS:
+        raise ConfigError(
+            "search.space",
+            f"with a batch_size range, num_devices ({len(ns)} values) x micro_batch_size "
+            f"({len(ms)} values) gives {pairs:,} pairs to try, more than {MAX_CONFIGS:,}; "
+            "narrow num_devices or micro_batch_size",
         )
 
 
@@ -402,14 +424,24 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
         raise ConfigError("", f"{path}: not a text file (expected UTF-8 YAML)") from None
     except OSError as e:
         raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:  # a path no file system accepts, e.g. with a NUL character
+        raise ConfigError("", f"cannot read {_show(str(path))}: {e}") from None
     raw = _safe_load(text, str(path))
     raw = apply_overrides(raw, overrides)
     return parse_experiment(raw, source=path)
 
 
+MAX_YAML_VALUES = 100_000
+"""Most values (aliases expanded) an experiment may hold: a few dozen is typical. Bounds
+the work of every later step against "billion laughs" alias bombs and cycles."""
+MAX_YAML_DEPTH = 50
+"""Deepest nesting an experiment may have: four levels is typical."""
+
+
 def _safe_load(text: str, where: str) -> Any:
+    """YAML with the safe loader only (no tags that build Python objects), size-checked."""
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -417,6 +449,41 @@ def _safe_load(text: str, where: str) -> Any:
         raise ConfigError("", f"{where}: invalid YAML{at}: {problem}") from None
     except RecursionError:
         raise ConfigError("", f"{where}: YAML nested too deeply") from None
+    except Exception as e:  # a scalar its tag cannot build: !!int x, 2001-02-30, 10**5000
+        problem = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError("", f"{where}: invalid YAML: {problem}") from None
+    _check_size(data, where)
+    return data
+
+
+def _check_size(data: Any, where: str) -> None:
+    """Refuse a document that expands to too many values or nests too deeply.
+
+    Walks the document as later steps will, aliases expanded, but stops at the limits:
+    a "billion laughs" or a cycle (``&a [*a]``) costs at most MAX_YAML_VALUES steps.
+    """
+    stack = [(data, 0)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES:
+            raise ConfigError(
+                "",
+                f"{where}: more than {MAX_YAML_VALUES:,} values once YAML aliases are "
+                "expanded; an experiment holds a few dozen (repeated aliases or a cycle?)",
+            )
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(
+                "",
+                f"{where}: YAML nested more than {MAX_YAML_DEPTH} levels deep; an "
+                "experiment needs a few",
+            )
+        if isinstance(node, Mapping):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node if not isinstance(k, str))
+        elif isinstance(node, list | tuple | set | frozenset):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str]) -> Any:
@@ -446,6 +513,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str]) -> Any:
 def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
     """Build a validated Experiment from the mapping a YAML file holds."""
     base = source.parent if source is not None else Path.cwd()
+    _check_size(raw, str(source) if source is not None else "the experiment")
     top = _Section(raw, "", _EXPERIMENT_KEYS, what="the experiment")
     name = top.str("name", default=source.stem if source else None, required=source is None)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", name):
@@ -459,7 +527,7 @@ def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
         search=_parse_search(top.get("search", default={}), base),
         trial=_parse_trial(top.get("trial", default={}), base),
         ray=_parse_ray(top.get("ray", default={})),
-        output_dir=Path(top.str("output_dir", default="runs")),
+        output_dir=Path(top.path("output_dir", default="runs")),
         source=source,
     )
 
@@ -583,11 +651,11 @@ def _space_path(value: str, base: Path) -> Path:
 
 def _parse_trial(raw: Any, base: Path) -> TrialConfig:
     sec = _Section(raw, "trial", _field_names(TrialConfig))
-    table = sec.str("table", default=None)
+    table = sec.path("table", default=None)
     memory = sec.get("device_memory", default=None)
     return TrialConfig(
         backend=sec.choice("backend", BACKENDS, default="torch"),
-        table=(base / table).resolve() if table is not None else None,
+        table=_resolve(base / table, "trial.table") if table is not None else None,
         noise=sec.float("noise", default=0.0, minimum=0.0, maximum=1.0),
         device=sec.choice("device", DEVICES, default="auto"),
         parallel=sec.choice("parallel", PARALLEL, default="simulate"),
@@ -618,6 +686,13 @@ def _parse_ray(raw: Any) -> RayConfig:
     )
 
 
+def _resolve(path: Path, where: str) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ConfigError(where, f"cannot resolve {_show(str(path))}: {e}") from None
+
+
 _MEMORY_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -629,16 +704,23 @@ def parse_memory(value: Any, where: str = "trial.device_memory") -> int:
     """``8GiB``, ``512MB``, ``1.5GB`` or a number of bytes -> bytes (a rate may end in /s)."""
     rule = "expected bytes or a size such as 8GiB, 512MB, 1.5GB"
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ConfigError(where, f"must be positive, got {value}; {rule}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*", str(value))
-    if not isinstance(value, str) or not match or match[2].lower() not in _MEMORY_UNITS:
-        raise ConfigError(where, f"{_show(value)} is not a memory size; {rule}")
-    size = int(float(match[1]) * _MEMORY_UNITS[match[2].lower()])
-    if size < 1:
-        raise ConfigError(where, f"must be positive, got {value!r}; {rule}")
-    return size
+        size: float = value
+    else:
+        match = isinstance(value, str) and re.fullmatch(
+            r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*", value
+        )
+        if not match or match[2].lower() not in _MEMORY_UNITS:
+            raise ConfigError(where, f"{_show(value)} is not a memory size; {rule}")
+        size = float(match[1]) * _MEMORY_UNITS[match[2].lower()]  # inf for 400 digits
+    if not size >= 1:
+        raise ConfigError(where, f"must be positive, got {_show(value)}; {rule}")
+    if size > _MAX_BYTES:
+        raise ConfigError(where, f"{_show(value)} is too large; {rule}, at most 1EiB")
+    return int(size)
+
+
+_MAX_BYTES = 2**60
+"""1 EiB: a larger memory size or bandwidth is a typo."""
 
 
 # ---------------------------------------------------------------------------
@@ -680,9 +762,20 @@ class _Section:
 
     def str(self, key: str, *, default: Any = None, required: bool = False) -> Any:
         value = self.get(key, default=default, required=required)
-        if value is None or isinstance(value, str) and value:
+        if value is None and not required:
+            return default  # an explicit null (``output_dir:``) means the default
+        if isinstance(value, str) and value:
             return value
         raise ConfigError(self._at(key), f"expected non-empty text, got {_show(value)}")
+
+    def path(self, key: str, *, default: Any = None) -> Any:
+        """Non-empty text that a file system can take as a path (no NUL character)."""
+        value = self.str(key, default=default)
+        if value is not None and "\0" in value:
+            raise ConfigError(
+                self._at(key), f"{_show(value)} is not a valid path: it holds a NUL character"
+            )
+        return value
 
     def choice(self, key: str, choices: Sequence[str], *, default: str) -> str:
         value = self.get(key, default=default)
@@ -791,6 +884,17 @@ def _kind(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    """A value as the message shows it: on one line, and never pages long."""
-    text = repr(value).replace("\n", " ")
+    """A value as the message shows it: on one line, and never pages long.
+
+    reprlib bounds the work too: a list of a billion aliased items is shown in microseconds.
+    """
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int too long to print
+        text = f"<a {type(value).__name__} too long to show>"
+    text = text.replace("\n", " ")
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 60

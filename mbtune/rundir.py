@@ -12,6 +12,7 @@ NAME-YYYYmmdd-HHMMSS/
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import time
@@ -84,26 +85,37 @@ class RunDir:
         _atomic_write(self.experiment_file, yaml.safe_dump(dict(resolved), sort_keys=False))
 
     def append_trial(self, row: Mapping[str, Any]) -> None:
-        """Append one finished trial and flush it to disk before returning."""
-        new = not self.trials_file.exists()
-        cut = not new and not _ends_with_newline(self.trials_file)
+        """Append one finished trial and flush it to disk before returning.
+
+        A row is one write of the whole line, fsync'd. Should the machine die in the
+        middle of one, the torn line has no line end: it is cut off here before the next
+        row is appended (and :meth:`trials` never reads it), so it cannot corrupt the next.
+        """
+        if self.trials_file.exists():
+            _drop_torn_line(self.trials_file)
+        new = not self.trials_file.exists() or self.trials_file.stat().st_size == 0
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow({k: _cell(v) for k, v in row.items()})
         with self.trials_file.open("a", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
-            if cut:  # a killed driver left half a row: end it, so this one stands alone
-                f.write("\r\n")
-            if new:
-                writer.writeheader()
-            writer.writerow({k: _cell(v) for k, v in row.items()})
+            f.write(text.getvalue())
             f.flush()
             os.fsync(f.fileno())
+        if new:
+            _fsync_dir(self.path)
 
     def trials(self) -> list[dict[str, str]]:
         """Every finished trial so far (also from a run that was interrupted or killed)."""
         if not self.trials_file.exists():
             return []
         with self.trials_file.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        # a row cut short by a killed driver lacks fields (None) or has too many (None key)
+            text = f.read()
+        if not text.endswith("\n"):  # a torn last line: that trial never finished writing
+            text = text[: text.rfind("\n") + 1]
+        rows = csv.DictReader(io.StringIO(text))
+        # a row with too few fields (None values) or too many (a None key) is not a trial
         return [r for r in rows if r.get("trial") and None not in r and None not in r.values()]
 
     def append_recommendation(self, record: Mapping[str, Any]) -> None:
@@ -129,15 +141,6 @@ class RunDir:
         _atomic_write(self.path / name, json.dumps(data, indent=2, default=str) + "\n")
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return True
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
 def _cell(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value)
@@ -145,10 +148,43 @@ def _cell(value: Any) -> Any:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    """Write to a temporary file and rename it: a crash never leaves half a file."""
+    """Write to a temporary file and rename it: a crash never leaves half a file.
+
+    Readers see the old file or the new one, whole. A failure (disk full, an interrupt)
+    removes the temporary file and leaves the old one as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename itself survives a power cut
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new or renamed directory entry durable (a no-op where it is unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line that has no line end (a write torn by a crash) off ``path``."""
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+            f.flush()
+            os.fsync(f.fileno())

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,14 +261,18 @@ def _check_reachable(address: str) -> None:
     import socket
 
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise MbtuneError(f"--address: {address!r} is not 'auto', host:port or ray://host:port")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+        raise MbtuneError(
+            f"--address: {address!r} is not 'auto', host:port or ray://host:port "
+            "(a port from 1 to 65535)"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a host name IDNA cannot encode
         raise MbtuneError(
-            f"--address: nothing answers at {address} ({e.strerror or e}); start a cluster "
-            "with `ray start --head`, or leave out --address for an embedded Ray"
+            f"--address: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
+            "start a cluster with `ray start --head`, or leave out --address for an embedded Ray"
         ) from None
 
 
@@ -288,6 +293,11 @@ def _trainable(
     tune.report(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s))
 
 
+KILL_GRACE_S = 60.0
+"""How long past ``timeout_s`` a trial process that did not stop itself (stuck in C code,
+its alarm blocked) runs before the search kills it."""
+
+
 def measure_in_subprocess(
     experiment: dict[str, Any], config: BatchConfig, *, cwd: str, timeout_s: float
 ) -> dict[str, Any]:
@@ -295,6 +305,7 @@ def measure_in_subprocess(
     payload = json.dumps({"experiment": experiment, "config": config.as_dict()})
     started = time.perf_counter()
     base = {**config.as_dict(), "objective": 0.0, "reason": None}
+    kill_after = timeout_s + KILL_GRACE_S  # the child stops itself at timeout_s: a backstop
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "mbtune.trial"],
@@ -302,23 +313,40 @@ def measure_in_subprocess(
             capture_output=True,
             text=True,
             cwd=cwd,
-            timeout=timeout_s + 60,  # the child stops itself at timeout_s; this is a backstop
+            timeout=kill_after,
         )
     except subprocess.TimeoutExpired:
-        return {**base, "status": "timeout", "reason": f"killed after {timeout_s + 60:g} s",
+        reason = f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
+        return {**base, "status": "timeout", "reason": reason,
                 "wall_s": time.perf_counter() - started}  # fmt: skip
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
+    result = _last_json_object(proc.stdout) if proc.returncode == 0 else None
+    if result is not None:
+        return result
     if proc.returncode == -9:
         reason = "the trial process was killed (SIGKILL: the kernel's out-of-memory killer?)"
     elif proc.returncode < 0:
         reason = f"the trial process was killed by signal {-proc.returncode}"
+    elif proc.returncode == 0:
+        reason = "the trial process printed no result"
     else:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         reason = tail[-1] if tail else f"the trial process exited with {proc.returncode}"
     return {**base, "status": "error", "reason": reason,
             "wall_s": time.perf_counter() - started}  # fmt: skip
+
+
+def _last_json_object(stdout: str) -> dict[str, Any] | None:
+    """The trial's result: the last line of its stdout that is a JSON object (a user model
+    may print, even after the result, from an exit handler)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
 
 
 # ---------------------------------------------------------------------------
