@@ -19,6 +19,7 @@ import pytest
 from mbtune import search
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
+from mbtune.reporter import Reporter
 from mbtune.rundir import RunDir
 from mbtune.search import TrialLog, measure_in_subprocess, run_search
 
@@ -127,7 +128,7 @@ def test_a_trial_that_prints_after_its_result_is_still_read(tmp_path, monkeypatc
 def test_a_failed_trial_actor_is_recorded_once(tmp_path):
     run = RunDir.create(tmp_path, "x")
     lines = []
-    log = TrialLog(run, lines.append)
+    log = TrialLog(run, lines.append, Reporter([BatchConfig(32, 1, 4)]))
     trial = SimpleNamespace(trial_id="abc_00001", config={"batch_size": 32, "num_devices": 1,
                                                           "micro_batch_size": 4})  # fmt: skip
     log.on_trial_error(0, [], trial)
@@ -150,7 +151,12 @@ def test_a_search_records_every_fault_and_keeps_every_other_result(
         tmp_path,
         monkeypatch,
         trial={"timeout_s": 10},
-        search={"space": {"num_devices": [1]}, "sampler": "grid", "num_samples": 20},
+        search={
+            "space": {"num_devices": [1]},
+            "sampler": "grid",
+            "num_samples": 20,
+            "confidence_target": 100,
+        },  # every configuration, whatever the score says
     )
     exp = parse_experiment({**exp.to_dict(), "ray": {"max_concurrent_trials": 2}})
     lines = []
