@@ -10,11 +10,11 @@ from mbtune import lattice
 from mbtune.lattice import BatchConfig, LatticeError
 
 
-def test_lattice_imports_neither_torch_nor_ray():
+def test_the_pure_cores_import_neither_torch_nor_ray():
     import subprocess
 
     code = (
-        "import sys, mbtune.lattice, mbtune.config; "
+        "import sys, mbtune.lattice, mbtune.config, mbtune.confidence, mbtune.reporter; "
         "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
