@@ -176,12 +176,17 @@ def _graceful_stop() -> Iterator[list[int]]:
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for its Ctrl-C
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    was = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT is ours; SIGUSR1 stays Tune's
     try:
         yield received
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if was is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = was
 
 
 def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Reporter:
