@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pandas  # noqa: F401  (mbtune space imports it: also now)
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
