@@ -114,7 +114,6 @@ try:
 except TypeError:  # pandas < 2.3
     _TEXT = object
 
-RECOMMENDATIONS_FILE = "recommendations.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
@@ -318,18 +317,10 @@ def load_recommendations(run_dir: str | Path) -> pd.DataFrame | None:
 
     A line that is not a JSON object (the driver died while writing it) is skipped.
     """
-    path = Path(run_dir) / RECOMMENDATIONS_FILE
-    if not path.is_file():
+    run = RunDir(Path(run_dir))
+    if not run.recommendations_file.is_file():
         return None
-    records = []
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    frame = pd.DataFrame.from_records(records)
+    frame = pd.DataFrame.from_records(run.recommendations())
     for name in _RECOMMENDATION_COLUMNS:
         if name not in frame:
             frame[name] = np.nan

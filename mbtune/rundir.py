@@ -126,15 +126,19 @@ class RunDir:
             os.fsync(f.fileno())
 
     def recommendations(self) -> list[dict[str, Any]]:
-        """Every recommendation so far (a line cut short by a killed driver is skipped)."""
-        if not self.recommendations_file.exists():
+        """Every recommendation so far; a line that is not a JSON object (one cut short by
+        a killed driver) is skipped."""
+        if not self.recommendations_file.is_file():
             return []
+        text = self.recommendations_file.read_bytes().decode("utf-8", errors="replace")
         records = []
-        for line in self.recommendations_file.read_text(encoding="utf-8").splitlines():
+        for line in text.splitlines():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                records.append(record)
         return records
 
     def write_json(self, name: str, data: Any) -> None:
