@@ -1,6 +1,6 @@
 """The confidence score: how likely is the recommendation within 2% of the best?
 
-Pure numerics (numpy; neither torch nor ray). The method, in the order the code runs it
+Pure numerics (numpy and scipy; neither torch nor ray). The method, in the order the code runs it
 (``docs/confidence.md`` has the reasoning and the calibration figures):
 
 1. **Feasible region.** Every distinct configuration of the space is a candidate, except
@@ -26,11 +26,13 @@ Pure numerics (numpy; neither torch nor ray). The method, in the order the code 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy.linalg import solve_triangular
+from threadpoolctl import threadpool_limits
 
 from mbtune.lattice import BatchConfig
 
@@ -144,6 +146,9 @@ def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int
     return (math.sqrt(squares / dof), dof) if dof else (DEFAULT_NOISE, 0)
 
 
+# Its matrices are small (a few hundred rows): BLAS threads only add spin-waits, and the
+# driver shares the machine with the trials it measures (5 to 10 times slower when busy).
+@threadpool_limits.wrap(limits=1, user_api="blas")
 def assess(
     points: Sequence[BatchConfig],
     observations: Sequence[Observation],
@@ -178,11 +183,11 @@ def assess(
     y = np.log([o.value for o in ok]) - per_device(o.config for o in ok)
     gp = _Mixture(scale(o.config for o in ok), y, noise_var)
     offset = per_device(candidates)
-    mean = gp.mean(z) + offset
     index = {c: i for i, c in enumerate(candidates)}
     measured = [index[o.config] for o in ok]
-    best_measured = max(measured, key=lambda i: mean[i])
-    keep = _threats(gp, z, mean, best_measured, tolerance)
+    fitted = dict(zip(measured, gp.mean(z[measured]) + offset[measured], strict=True))
+    best_measured = max(measured, key=fitted.__getitem__)
+    keep = _threats(gp, z, offset, best_measured, tolerance)
     draws = gp.sample(z[keep], samples, seed) + offset[keep]
     r = keep.index(best_measured)
     within = draws[:, r] >= draws.max(axis=1) + math.log(1 - tolerance)
@@ -232,7 +237,9 @@ class _Scale:
         return np.array([_features(c) for c in configs]) - self.centre
 
 
-def _threats(gp: _Mixture, z: np.ndarray, mean: np.ndarray, best: int, tolerance: float):
+def _threats(
+    gp: _Mixture, z: np.ndarray, offset: np.ndarray, best: int, tolerance: float
+) -> list[int]:
     """The candidates that could plausibly beat the best measured one (at most a few hundred).
 
     Joint sampling costs the cube of the candidates; a configuration whose marginal
@@ -240,7 +247,8 @@ def _threats(gp: _Mixture, z: np.ndarray, mean: np.ndarray, best: int, tolerance
     """
     if len(z) <= _MAX_CANDIDATES:
         return list(range(len(z)))
-    sd = gp.sd(z)
+    mean, sd = gp.marginals(z)
+    mean = mean + offset
     margin = (mean - mean[best] - math.log(1 - tolerance)) / np.maximum(sd, 1e-9)
     order = [i for i in np.argsort(-margin) if i != best][: _MAX_CANDIDATES - 1]
     return sorted([best, *order])
@@ -254,60 +262,64 @@ class _Mixture:
         self.level = float(np.mean(y))
         self.y = y - self.level
         self.fits = []
-        for length in _LENGTH_SCALES:
-            for amplitude in _AMPLITUDES:
-                k = self._kernel(x, x, length, amplitude) + np.diag(noise_var)
-                chol = _cholesky(k)
-                alpha = _solve(chol, self.y)
-                log_ml = -0.5 * self.y @ alpha - np.log(np.diag(chol)).sum()
-                self.fits.append((log_ml, length, amplitude, chol, alpha))
+        for _, k in _kernels(x, x):
+            chol = _cholesky(k + np.diag(noise_var))
+            alpha = _solve(chol, self.y)
+            log_ml = -0.5 * self.y @ alpha - np.log(np.diag(chol)).sum()
+            self.fits.append((log_ml, chol, alpha))
         log_w = np.array([f[0] for f in self.fits])
         w = np.exp(log_w - log_w.max())
         self.weights = w / w.sum()
 
-    def _kernel(self, a: np.ndarray, b: np.ndarray, length: float, amplitude: float):
-        d = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5) / length
-        matern = (1 + d + d**2 / 3) * np.exp(-d)
-        trend = a @ b.T
-        return amplitude**2 * matern + _TREND_SD**2 * trend + _LEVEL_SD**2
-
-    def _posterior(self, z: np.ndarray, fit, *, joint: bool = True):
-        """Mean and covariance at ``z`` (with ``joint=False``: only the variances)."""
-        _, length, amplitude, chol, alpha = fit
-        kzx = self._kernel(z, self.x, length, amplitude)
-        mean = self.level + kzx @ alpha
-        v = np.linalg.solve(chol, kzx.T)
-        if joint:
-            return mean, self._kernel(z, z, length, amplitude) - v.T @ v
-        prior = amplitude**2 + _TREND_SD**2 * (z**2).sum(axis=1) + _LEVEL_SD**2
-        return mean, np.clip(prior - (v**2).sum(axis=0), 0, None)
-
     def mean(self, z: np.ndarray) -> np.ndarray:
+        """The mixture's posterior mean at ``z``."""
         return sum(
-            w * self._posterior(z, f, joint=False)[0]
-            for w, f in zip(self.weights, self.fits, strict=True)
+            w * (self.level + kzx @ alpha)
+            for w, (_, _, alpha), (_, kzx) in zip(
+                self.weights, self.fits, _kernels(z, self.x), strict=True
+            )
         )
 
-    def sd(self, z: np.ndarray) -> np.ndarray:
-        """The mixture's marginal sd (its variance includes the spread of the means)."""
-        parts = [
-            (w, *self._posterior(z, f, joint=False))
-            for w, f in zip(self.weights, self.fits, strict=True)
-        ]
+    def marginals(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The mixture's mean and marginal sd at ``z`` (the variance includes the spread of
+        the components' means)."""
+        prior_trend = _TREND_SD**2 * (z**2).sum(axis=1) + _LEVEL_SD**2
+        parts = []
+        for w, (_, chol, alpha), (amplitude, kzx) in zip(
+            self.weights, self.fits, _kernels(z, self.x), strict=True
+        ):
+            v = _lower_solve(chol, kzx.T)
+            var = np.clip(amplitude**2 + prior_trend - (v**2).sum(axis=0), 0, None)
+            parts.append((w, self.level + kzx @ alpha, var))
         mean = sum(w * m for w, m, _ in parts)
-        return np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
+        return mean, np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
 
     def sample(self, z: np.ndarray, n: int, seed: int) -> np.ndarray:
         """``n`` joint draws of the latent log objective at ``z`` (rows: draws)."""
         rng = np.random.default_rng(seed)
         counts = rng.multinomial(n, self.weights)
         draws = []
-        for count, fit in zip(counts, self.fits, strict=True):
+        for count, (_, chol, alpha), (_, kzx), (_, kzz) in zip(
+            counts, self.fits, _kernels(z, self.x), _kernels(z, z), strict=True
+        ):
             if count:
-                mean, cov = self._posterior(z, fit)
-                root = _cholesky(cov)
+                v = _lower_solve(chol, kzx.T)
+                root = _cholesky(kzz - v.T @ v)
+                mean = self.level + kzx @ alpha
                 draws.append(mean + rng.standard_normal((count, len(z))) @ root.T)
         return np.vstack(draws)
+
+
+def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
+    """(amplitude, kernel matrix) for every shape of the grid, in one fixed order;
+    the distances and the trend are computed once for all of them."""
+    dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
+    base = _TREND_SD**2 * (a @ b.T) + _LEVEL_SD**2
+    for length in _LENGTH_SCALES:
+        d = dist / length
+        matern = (1 + d + d**2 / 3) * np.exp(-d)
+        for amplitude in _AMPLITUDES:
+            yield amplitude, amplitude**2 * matern + base
 
 
 def _cholesky(a: np.ndarray) -> np.ndarray:
@@ -322,5 +334,10 @@ def _cholesky(a: np.ndarray) -> np.ndarray:
     raise np.linalg.LinAlgError("covariance is not positive semi-definite")
 
 
+def _lower_solve(chol: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return solve_triangular(chol, b, lower=True, check_finite=False)
+
+
 def _solve(chol: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return np.linalg.solve(chol.T, np.linalg.solve(chol, y))
+    """``K^-1 y`` from K's lower Cholesky factor."""
+    return solve_triangular(chol, _lower_solve(chol, y), lower=True, trans="T", check_finite=False)
