@@ -294,8 +294,10 @@ def _trainable(
     config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
 ) -> None:
     """Run one trial in a fresh process and report what it measured to Tune."""
+    from mbtune.searchers import pack_result
+
     batch = BatchConfig.from_mapping(config)
-    tune.report(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s))
+    tune.report(pack_result(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)))
 
 
 KILL_GRACE_S = 60.0
@@ -368,7 +370,9 @@ class TrialLog(Callback):
         self.confidence = 0
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.results[trial.trial_id] = result
+        from mbtune.searchers import unpack_result
+
+        self.results[trial.trial_id] = unpack_result(result)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         result = self.results.pop(trial.trial_id, None)

@@ -19,6 +19,7 @@ measured already is answered from the cache and the proposer asked again.
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import warnings
@@ -40,10 +41,32 @@ __all__ = [
     "HalvingSearcher",
     "OptunaSpace",
     "make_searcher",
+    "pack_result",
+    "unpack_result",
 ]
 
 METRIC = "objective"
 """The value every searcher maximises: the experiment's objective, 0 for a failed trial."""
+
+MEASURED = "measured"
+"""The key under which a trial reports everything it measured, as one JSON string."""
+
+
+def pack_result(result: dict[str, Any]) -> dict[str, Any]:
+    """What a trial reports to Tune: the objective, and the rest as one string.
+
+    Tune keeps running statistics for every numeric key of every result of every trial
+    for the whole search; one numeric key instead of thirty keeps the driver small.
+    """
+    return {METRIC: float(result.get(METRIC) or 0.0), MEASURED: json.dumps(result)}
+
+
+def unpack_result(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The trial's own result from what Tune hands back (a plain result passes through)."""
+    if result is None or MEASURED not in result:
+        return result
+    return json.loads(result[MEASURED])
+
 
 MAX_REPEATS = 200
 """Proposals in a row answered from the cache before the space counts as exhausted."""
@@ -420,6 +443,7 @@ class DedupSearcher(Searcher):
         point, inner_id = self.running.pop(trial_id, (None, None))
         if point is None:
             return
+        result = unpack_result(result)
         value = 0.0 if error or not result else float(result.get(METRIC) or 0.0)
         if result and result.get("mixes_batch"):
             self.full_batch_only = True
