@@ -12,10 +12,8 @@ landscape's best. Every (score, right) pair of every trial of every seed goes in
 right. We also record, for a search that would stop at `confidence_target: 90`, how many
 trials it needed and whether its recommendation was right.
 
-Landscapes: gpt_cpu (measured on this machine, bench/landscapes/gpt_cpu.csv), saturating
-and dip (see bench/search_efficiency.py), and bumpy: the saturating landscape with an
-independent 6% (log-normal) bump on every configuration, drawn anew for every seed, so
-that neighbours say less about each other than any smooth model assumes.
+Landscapes: those of bench/search_efficiency.py: gpt_cpu (measured on this machine),
+saturating, dip, comm and bumpy (independent 6% bumps, drawn anew for every seed).
 
 Target: every bin with at least 30 samples within 10 points of its score; at the moment
 a search reaches 90, right at least 90% of the time.
@@ -25,7 +23,6 @@ Run: `.venv/bin/python bench/confidence_calibration.py [--seeds 30] [--sampler m
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
 import sys
@@ -34,7 +31,7 @@ from collections import defaultdict
 
 from _common import BENCH, machine, save
 from ray.tune.search import Searcher
-from search_efficiency import load_table, replayed, synthetic
+from search_efficiency import landscapes, replayed
 
 from mbtune.confidence import assess, observation
 from mbtune.lattice import BatchConfig
@@ -42,12 +39,6 @@ from mbtune.searchers import make_searcher
 
 TARGET = 90
 MIN_BIN = 30
-
-
-def bumpy(seed: int, amplitude: float = 0.06) -> dict[BatchConfig, float | None]:
-    rng = random.Random(1000 + seed)
-    base = synthetic("saturating")
-    return {c: v * math.exp(amplitude * rng.gauss(0, 1)) if v else None for c, v in base.items()}
 
 
 def search(table, sampler: str, seed: int) -> list[tuple[int, int, bool]]:
@@ -77,19 +68,13 @@ def main() -> int:
     parser.add_argument("--sampler", default="model")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    fixed = {
-        "gpt_cpu": load_table(BENCH / "landscapes" / "gpt_cpu.csv"),
-        "saturating": synthetic("saturating"),
-        "dip": synthetic("dip"),
-    }
     results: dict[str, dict] = {}
     everything: dict[int, list[tuple[int, bool]]] = defaultdict(list)
-    for name in (*fixed, "bumpy"):
+    for name, table_for in landscapes().items():
         bins: dict[int, list[tuple[int, bool]]] = defaultdict(list)
         stops = []
         for seed in range(args.seeds):
-            table = fixed[name] if name in fixed else bumpy(seed)
-            trace = search(table, args.sampler, seed)
+            trace = search(table_for(seed), args.sampler, seed)
             for _, score, right in trace:
                 bins[min(score // 10, 9)].append((score, right))
                 everything[min(score // 10, 9)].append((score, right))
@@ -97,7 +82,7 @@ def main() -> int:
             stops.append(stop)
         reached = [s for s in stops if s]
         results[name] = {
-            "size": len(fixed.get(name) or bumpy(0)),
+            "size": len(table_for(0)),
             "bins": _table(bins),
             "stop_reached": len(reached),
             "stop_right": sum(right for _, right in reached),

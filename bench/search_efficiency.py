@@ -15,7 +15,12 @@ Landscapes:
 - saturating: throughput rises with m and saturates, devices scale with a communication
   cost, and large micro-batches run out of memory (a cliff);
 - dip: like saturating but with a dip in the middle of the m range (e.g. a kernel that
-  switches algorithm), so the best lies past a worse region.
+  switches algorithm), so the best lies past a worse region;
+- comm: like saturating but with a slow link (a cost that grows with the devices), so
+  that 4 devices beat 8;
+- bumpy: saturating with an independent 6% (log-normal) bump on every configuration,
+  drawn anew for every seed, so that neighbours say less about each other than any
+  smooth model assumes.
 
 Target: the default sampler needs at most a quarter of the lattice and at most half of
 what `random` needs. Run: `.venv/bin/python bench/search_efficiency.py [--seeds 30]`.
@@ -31,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from _common import BENCH, machine, save
@@ -59,8 +65,28 @@ def synthetic(kind: str) -> dict[BatchConfig, float | None]:
         if kind == "dip":
             per_device *= 1 - 0.35 * math.exp(-((math.log2(m) - 3) ** 2) / 0.8)
         step = c.per_device_batch / per_device + 0.004 * (n - 1) / n * 8  # + all-reduce
+        if kind == "comm":
+            step += 0.03 * (n - 1)  # a slow link: the all-reduce's latency term dominates
         table[c] = c.batch_size / step
     return table
+
+
+def bumpy(seed: int, amplitude: float = 0.06) -> dict[BatchConfig, float | None]:
+    rng = random.Random(1000 + seed)
+    base = synthetic("saturating")
+    return {c: v * math.exp(amplitude * rng.gauss(0, 1)) if v else None for c, v in base.items()}
+
+
+def landscapes() -> dict[str, Callable[[int], dict[BatchConfig, float | None]]]:
+    """Every landscape, as a function of the seed (only ``bumpy`` changes with it)."""
+    fixed = {kind: synthetic(kind) for kind in ("saturating", "dip", "comm")}
+    measured = BENCH / "landscapes" / "gpt_cpu.csv"
+    if measured.exists():
+        fixed = {"gpt_cpu": load_table(measured), **fixed}
+    else:
+        print(f"note: {measured} missing; run bench/measure_landscape.py first", file=sys.stderr)
+    out = {name: (lambda seed, t=table: t) for name, table in fixed.items()}
+    return {**out, "bumpy": bumpy}
 
 
 def load_table(path: Path) -> dict[BatchConfig, float | None]:
@@ -107,22 +133,18 @@ def main() -> int:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     info = machine()
-    landscapes = {"saturating": synthetic("saturating"), "dip": synthetic("dip")}
-    measured = BENCH / "landscapes" / "gpt_cpu.csv"
-    if measured.exists():
-        landscapes = {"gpt_cpu": load_table(measured), **landscapes}
-    else:
-        print(f"note: {measured} missing; run bench/measure_landscape.py first", file=sys.stderr)
     results: dict[str, dict[str, dict]] = {}
-    for name, table in landscapes.items():
+    for name, table_for in landscapes().items():
         results[name] = {}
-        size = len(table)
+        size = len(table_for(0))
         print(f"\n{name}: {size} configurations; target: default <= {size / 4:.1f} trials and "
               "<= half of random")  # fmt: skip
         print(f"  {'sampler':<9} {'median':>7} {'p75':>6} {'found':>6} {'s/search':>9}")
         for sampler in args.samplers:
             started = time.perf_counter()
-            counts = [trials_to_near_best(table, sampler, seed) for seed in range(args.seeds)]
+            counts = [
+                trials_to_near_best(table_for(seed), sampler, seed) for seed in range(args.seeds)
+            ]
             seconds = (time.perf_counter() - started) / args.seeds
             found = sum(c <= size for c in counts)
             q = statistics.quantiles(counts, n=4) if len(counts) > 1 else counts * 3

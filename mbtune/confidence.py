@@ -57,6 +57,7 @@ DEFAULT_NOISE = 0.03
 _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
 _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
 _TREND_SD = 0.6  # prior sd of the trend's slope per octave (of throughput per device)
+_CURVE_SD = 0.2  # prior sd of the trend's curvature in n, per octave squared (see _kernels)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see _threats)
 
@@ -283,7 +284,7 @@ class _Mixture:
     def marginals(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The mixture's mean and marginal sd at ``z`` (the variance includes the spread of
         the components' means)."""
-        prior_trend = _TREND_SD**2 * (z**2).sum(axis=1) + _LEVEL_SD**2
+        prior_trend = _TREND_SD**2 * (z**2).sum(axis=1) + _CURVE_SD**2 * z[:, 1] ** 4 + _LEVEL_SD**2
         parts = []
         for w, (_, chol, alpha), (amplitude, kzx) in zip(
             self.weights, self.fits, _kernels(z, self.x), strict=True
@@ -312,9 +313,18 @@ class _Mixture:
 
 def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
     """(amplitude, kernel matrix) for every shape of the grid, in one fixed order;
-    the distances and the trend are computed once for all of them."""
+    the distances and the trend are computed once for all of them.
+
+    The trend is linear in the octaves of m, n and B, plus a curvature in n: throughput
+    per device falls with the devices ever faster as communication takes over, so the
+    global throughput can peak below the most devices (a smooth peak in m is left to the
+    deviation term: micro-batch curves saturate, with bumps)."""
     dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
-    base = _TREND_SD**2 * (a @ b.T) + _LEVEL_SD**2
+    base = (
+        _TREND_SD**2 * (a @ b.T)
+        + _CURVE_SD**2 * np.outer(a[:, 1] ** 2, b[:, 1] ** 2)
+        + _LEVEL_SD**2
+    )
     for length in _LENGTH_SCALES:
         d = dist / length
         matern = (1 + d + d**2 / 3) * np.exp(-d)

@@ -141,7 +141,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
     configuration, objective, status and step times (user attributes the search sets).
     It proposes the unmeasured configuration with the highest probability of being the
     fastest in the space, so each trial is the one that can most change, or most
-    confirm, the recommendation; with nothing measured yet, the middle of the space.
+    confirm, the recommendation; with nothing measured yet, its first guess (see
+    ``_first_guess``).
     It proposes whole configurations, so it answers Optuna's define-by-run questions
     from the configuration it chose for the trial.
     """
@@ -194,7 +195,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         if not open_points:
             return self.points[0]  # everything measured: the searcher ends the search
         if not any(o.status == "ok" for o in observations):
-            return _middle(open_points)
+            return _first_guess(open_points, self.global_objective)
         a = assess(
             self.points,
             observations,
@@ -213,6 +214,16 @@ class ModelSampler(optuna.samplers.BaseSampler):
 
     def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
         self.chosen.pop(trial.number, None)
+
+
+def _first_guess(points: Sequence[BatchConfig], global_objective: bool) -> BatchConfig:
+    """What the model expects fastest before anything is measured: throughput per device
+    is all it models, so with a global objective the most devices; then the middle of
+    the rest of the space, which the first measurement tells most about."""
+    if global_objective:
+        most = max(p.num_devices for p in points)
+        points = [p for p in points if p.num_devices == most]
+    return _middle(points)
 
 
 def _middle(points: Sequence[BatchConfig]) -> BatchConfig:

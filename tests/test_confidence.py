@@ -116,3 +116,18 @@ def test_devices_and_batch_sizes_are_dimensions_of_the_model_too():
     assert a.recommended == BatchConfig(64, 4, 8)
     assert a.feasible == len({p.canonical() for p in points})
     assert sum(a.p_best.values()) == pytest.approx(1.0)
+
+
+def test_devices_in_between_could_peak_when_only_the_ends_are_measured():
+    # B = 256 on 1..8 devices, m = 32, measured on 1 and 8 devices only: 8 devices are only
+    # 1.5x as fast as 1. If that is a per-step cost growing with the devices (a latency
+    # term), 4 devices would run 2.1x: the model must not be sure of the 8
+    points = enumerate_configs(mode=32, batch_sizes=[256], num_devices=[1, 2, 4, 8])
+    ends = [ok(BatchConfig(256, 1, 32), 1000.0, seed=1), ok(BatchConfig(256, 8, 32), 1500.0)]
+    a = assess(points, ends)
+    assert a.recommended == BatchConfig(256, 8, 32)
+    assert a.confidence <= 70
+    # measured in between too, on a curve that rises all the way: now it is sure
+    curve = [*ends, ok(BatchConfig(256, 2, 32), 1200.0, seed=2),
+             ok(BatchConfig(256, 4, 32), 1350.0, seed=4)]  # fmt: skip
+    assert assess(points, curve).confidence >= 90

@@ -156,7 +156,7 @@ def test_warm_start_teaches_optuna_without_skipping_anything():
     assert drive(grid, speed) == sorted(POINTS)  # a baseline is not taught by a warm start
 
 
-def test_the_model_sampler_starts_in_the_middle_and_goes_where_the_best_is_likely():
+def test_the_model_sampler_starts_on_most_devices_and_goes_where_the_best_is_likely():
     # B = 512 on 1..8 devices; per-device throughput saturating in m, out of memory above 64
     points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
     searcher = make_searcher("model", points, seed=0)
@@ -170,12 +170,17 @@ def test_the_model_sampler_starts_in_the_middle_and_goes_where_the_best_is_likel
         result = {METRIC: value, "status": "ok" if fits else "oom", **params}
         result["step_times_ms"] = [1e3 * c.batch_size / value] * 3 if fits else []
         searcher.on_trial_complete(f"t{i}", result)
-    assert measured[0] == BatchConfig(512, 2, 16)  # the middle of the space, in octaves
+    # throughput per device is what it models: with samples/s over all devices, the most
+    # devices, and the middle of their micro-batch sizes (1..64), in octaves
+    assert measured[0] == BatchConfig(512, 8, 8)
     # then the corner the model expects to be fastest: most devices, largest micro-batch
     # that fits (64 is the best; 128 and 256 on fewer devices ran out of memory)
     assert BatchConfig(512, 8, 64) in measured[1:]
     study = searcher.inner._ot_study
     assert {t.user_attrs["status"] for t in study.trials} <= {"ok", "oom"}
+    per_device = make_searcher("model", points, seed=0, global_objective=False)
+    first = BatchConfig.from_mapping(per_device.suggest("t0"))
+    assert first == BatchConfig(512, 2, 16)  # per device: the middle of the whole space
 
 
 def test_a_restored_searcher_learns_what_finished_after_its_last_save(tmp_path):
