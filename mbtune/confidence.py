@@ -1,7 +1,7 @@
 """The confidence score: how likely is the recommendation within 2% of the best?
 
-Pure numerics (numpy and scipy; neither torch nor ray). The method, in the order the code runs it
-(``docs/confidence.md`` has the reasoning and the calibration figures):
+Pure numerics (numpy and scipy; neither torch nor ray). The method, in the order the
+code runs it (``docs/confidence.md`` has the reasoning and the calibration figures):
 
 1. **Feasible region.** Every distinct configuration of the space is a candidate, except
    those that cannot win: a configuration that failed (``error``, ``timeout``) and every

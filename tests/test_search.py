@@ -57,6 +57,15 @@ def test_a_grid_search_measures_every_configuration_once(ray_session, tmp_path):
     )  # fmt: skip
     assert sum(line.startswith("mbtune ") and " trial " in line for line in lines) == 11
     assert any("best configurations:" in line for line in lines)
+    # Tune keeps running statistics of every numeric key a trial reports, for the whole
+    # search: a trial reports its objective and the rest as one string
+    import json
+
+    results = [json.loads(p.read_text()) for p in (run.path / "ray").glob("*/result.json")]
+    assert len(results) == 11
+    for result in results:
+        assert isinstance(result["objective"], float) and isinstance(result["measured"], str)
+        assert "samples_per_s" not in result and "step_times_ms" not in result
 
 
 @pytest.mark.ray
