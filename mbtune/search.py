@@ -272,13 +272,14 @@ def _optuna_storage(run: RunDir) -> Any:
 def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
     if address and address != "auto":
         _check_reachable(address)
+    # Ray replaces builtins.print the first time it shows a message from the cluster (a
+    # worker that died), also in a Ray started before; Tune then cannot save its state,
+    # which holds the callback's print
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     if ray.is_initialized():
         return
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    # Ray replaces builtins.print the first time it shows a message from the cluster (a
-    # worker that died); Tune then cannot save its state, which holds the callback's print
-    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     try:
         if address:
             ray.init(address=address, **quiet)
