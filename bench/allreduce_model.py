@@ -15,7 +15,14 @@ t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency,
 error, so that the small sizes count as much as the large). The fitted model is then also
 checked at n = 3 and 4, which a 2-core machine can only run oversubscribed.
 
-Run: ``.venv/bin/python bench/allreduce_model.py`` (about a minute).
+Then the same in whole trials: the quickstart GPT, batch_size 32 on 2 devices, micro-batch
+8 and 16, compile off, 2 warm-up + 10 timed steps, measured three ways in this one run:
+``parallel: simulate`` with the default link figures and with the fitted ones (one
+device's share measured in this process with one intra-op thread, as each ddp worker has
+one CPU), and ``parallel: ddp`` (two Ray Train workers of one CPU each). Reported: the
+median step, the modelled or measured all-reduce, and the trial's wall time.
+
+Run: ``.venv/bin/python bench/allreduce_model.py`` (about two minutes).
 """
 
 from __future__ import annotations
@@ -86,10 +93,60 @@ def fit(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return 1 / inverse_bandwidth, latency
 
 
+def compare_trials(bandwidth: float, latency: float) -> list[dict]:
+    """simulate (default and fitted link figures) against ddp, on the quickstart GPT."""
+    import logging
+
+    import ray
+    import torch
+
+    from mbtune.lattice import BatchConfig
+    from mbtune.trial import run_trial
+
+    base = ["trial.compile=false", "trial.warmup_steps=2", "trial.measure_steps=10"]
+    arms = {
+        "simulate, default link": [],
+        "simulate, fitted link": [
+            f"trial.link_bandwidth={bandwidth:.0f}",
+            f"trial.link_latency_us={latency * 1e6:.1f}",
+        ],
+        "ddp": ["trial.parallel=ddp", "ray.cpus_per_trial=1"],
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    torch.set_num_threads(1)  # one core per simulated device, as each ddp worker has
+    rows, results = [], []
+    for m in (8, 16):
+        config = BatchConfig(32, 2, m)
+        for arm, sets in arms.items():
+            wait_for_quiet()
+            r = run_trial(load_experiment(QUICKSTART, base + sets), config)
+            if r.status != "ok":
+                raise SystemExit(f"{arm}, micro_batch_size {m}: {r.status}: {r.reason}")
+            results.append({"arm": arm, "micro_batch_size": m, **r.as_dict()})
+            rows.append(
+                (m, arm, r.step_time_ms_median, r.step_time_ms_iqr, r.compute_time_ms,
+                 r.comm_time_ms, r.samples_per_s, r.wall_s)
+            )  # fmt: skip
+            print(f"micro_batch_size {m}, {arm}: done", flush=True)
+    ray.shutdown()
+    print("\nquickstart GPT, batch_size 32, num_devices 2, compile off, 10 timed steps")
+    print(
+        table(
+            ["m", "trial", "step ms", "IQR ms", "compute ms", "all-reduce ms", "samples/s",
+             "wall s"],
+            rows,
+        )
+    )  # fmt: skip
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30, help="timed rounds (default 30)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument(
+        "--no-trials", dest="trials", action="store_false", help="skip the whole trials"
+    )
     opts = parser.parse_args()
     info = machine()
     quickstart = quickstart_grad_bytes()
@@ -141,6 +198,7 @@ def main() -> None:
                 f"{which} model, n = {world}: median |error| "
                 f"{statistics.median(abs(e) for e in errs):.0%}, worst {max(errs, key=abs):+.0%}"
             )
+    trials = compare_trials(bandwidth, latency) if opts.trials else []
     path = save(
         NAME,
         info,
@@ -157,6 +215,7 @@ def main() -> None:
             "default_bandwidth": DEFAULT_BANDWIDTH,
             "default_latency_s": DEFAULT_LATENCY_S,
             "relative_error": errors,
+            "trials": trials,
         },
     )
     print(f"raw figures: {path}")
