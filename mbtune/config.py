@@ -306,6 +306,13 @@ class Experiment:
                 "ddp on cuda gives each worker its own GPU, and ray.gpus_per_trial is 0; "
                 "set ray.gpus_per_trial: 1",
             )
+        if gpus == 0 and self.ray.cpus_per_trial == 0:
+            raise ConfigError(
+                "ray.cpus_per_trial",
+                "ddp workers need resources of their own: ray.cpus_per_trial and "
+                "ray.gpus_per_trial are both 0; set ray.cpus_per_trial: 1 (0.5 puts two "
+                "workers on one core)",
+            )
         if gpus != int(gpus):
             raise ConfigError(
                 "ray.gpus_per_trial",

