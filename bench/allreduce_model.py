@@ -125,7 +125,7 @@ def compare_trials(bandwidth: float, latency: float) -> list[dict]:
             results.append({"arm": arm, "micro_batch_size": m, **r.as_dict()})
             rows.append(
                 (m, arm, r.step_time_ms_median, r.step_time_ms_iqr, r.compute_time_ms,
-                 r.comm_time_ms, r.samples_per_s, r.wall_s)
+                 r.comm_time_ms, r.samples_per_s, r.peak_memory_bytes / 2**20, r.wall_s)
             )  # fmt: skip
             print(f"micro_batch_size {m}, {arm}: done", flush=True)
     ray.shutdown()
@@ -133,7 +133,7 @@ def compare_trials(bandwidth: float, latency: float) -> list[dict]:
     print(
         table(
             ["m", "trial", "step ms", "IQR ms", "compute ms", "all-reduce ms", "samples/s",
-             "wall s"],
+             "peak MiB", "wall s"],
             rows,
         )
     )  # fmt: skip
@@ -191,6 +191,10 @@ def main() -> None:
         f"\nfitted to n = 2: link_bandwidth {bandwidth / 1e9:.2f} GB/s, link_latency_us "
         f"{latency * 1e6:.0f} (defaults: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, "
         f"{DEFAULT_LATENCY_S * 1e6:g} us)"
+    )
+    print(
+        f"for parallel: simulate on this machine: --set trial.link_bandwidth="
+        f"{bandwidth / 1e9:.2f}GB --set trial.link_latency_us={latency * 1e6:.0f}"
     )
     for which in ("default", "fitted"):
         for world, errs in errors[which].items():
