@@ -94,8 +94,7 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> TrialResul
     from ray.train.torch import TorchConfig, TorchTrainer
 
     tr = exp.trial
-    started = time.time()
-    deadline = started + tr.timeout_s
+    deadline = time.time() + tr.timeout_s  # from the call: worker start-up counts
     use_gpu = tr.device != "cpu" and exp.ray.gpus_per_trial > 0
     base = _base_result(exp, config, device="cuda" if use_gpu else "cpu", note=None)
     _init_ray(exp.ray.address)
