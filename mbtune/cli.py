@@ -75,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     trial = commands.add_parser(
         "trial",
         parents=[experiment],
-        help="measure one configuration, without Ray",
+        help="measure one configuration, without a search",
         description="Build, compile, warm up and time one (batch_size, num_devices, "
         "micro_batch_size) of the experiment's model, and print what was measured. Sizes "
-        "not given default to the experiment's train_input.",
+        "not given default to the experiment's train_input. Without Ray, except with "
+        "trial.parallel: ddp, whose workers run on Ray (an embedded one unless ray.address "
+        "names a cluster).",
     )
     trial.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
     trial.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
@@ -500,15 +502,26 @@ def result_lines(r: Any) -> list[str]:
         tried = ", ".join(map(str, r.micro_batch_sizes_tried))
         lines.append(f"  tried        micro_batch_size {tried} (halved on out of memory)")
     if r.samples_per_s is not None:
+        ddp = r.parallel == "ddp"
         tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""
         lines += [
             f"  throughput   {r.samples_per_s:,.1f} samples/s "
             f"({r.samples_per_s_per_device:,.1f} per device){tokens}",
             f"  step time    {r.step_time_ms_median:.2f} ms median, IQR "
-            f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps",
-            f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
-            f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms",
+            f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps"
+            + (f" of {r.num_devices} DDP workers (the slowest each step)" if ddp else ""),
         ]
+        if ddp:  # three measurements: they need not add up (DDP overlaps, and adds its own)
+            compute = f"{r.compute_time_ms:.2f} ms" if r.compute_time_ms is not None else "-"
+            lines.append(
+                f"    apart      compute {compute} (the same steps without the all-reduce), "
+                f"all-reduce {r.comm_time_ms:.2f} ms (of the gradient's bytes, alone)"
+            )
+        else:
+            lines.append(
+                f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
+                f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"
+            )
     if r.eval_samples_per_s is not None:
         lines.append(f"  eval         {r.eval_samples_per_s:,.1f} samples/s forward-only")
     if r.compile_s is not None:

@@ -216,7 +216,8 @@ class TrialConfig:
     device: str = "auto"
     """``auto`` (CUDA where there is one), ``cpu`` or ``cuda``."""
     parallel: str = "simulate"
-    """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp``."""
+    """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp`` (a Ray Train
+    run of num_devices DistributedDataParallel workers; see mbtune.ddp)."""
     compile: bool = True
     """Compile the model with torch.compile; compile time is reported apart."""
     compile_mode: str = "default"
@@ -245,7 +246,10 @@ class RayConfig:
     """None: start an embedded local Ray; ``auto`` or ``ray://host:port``: join a cluster."""
     dashboard: bool = False
     cpus_per_trial: float = 1.0
+    """CPUs of one trial. With ``trial.parallel: ddp``: of each of its num_devices workers
+    (the trial itself, which only waits for them, takes none)."""
     gpus_per_trial: float = 0.0
+    """GPUs of one trial; with ``trial.parallel: ddp``, of each worker (a whole number)."""
     max_concurrent_trials: int = 1
 
 
@@ -268,10 +272,8 @@ class Experiment:
     def __post_init__(self) -> None:
         if self.trial.backend == "replay" and self.trial.table is None:
             raise ConfigError("trial.table", "the replay backend needs trial.table: a CSV path")
-        if self.trial.parallel == "ddp" and self.train_input.pipeline_stages > 1:
-            raise ConfigError(
-                "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
-            )
+        if self.trial.parallel == "ddp":
+            self._check_ddp()
         configs = self.configs()
         if not configs:
             raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
@@ -284,6 +286,39 @@ class Experiment:
                     f"micro_batch_size {point.micro_batch_size} is not in the search space; "
                     "see `mbtune space` for the valid configurations",
                 )
+
+    def _check_ddp(self) -> None:
+        """What ``trial.parallel: ddp`` cannot do."""
+        if self.train_input.pipeline_stages > 1:
+            raise ConfigError(
+                "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
+            )
+        if self.trial.backend == "replay":
+            raise ConfigError(
+                "trial.parallel",
+                "ddp runs real workers, but the replay backend answers from trial.table and "
+                "runs nothing; use parallel: simulate with backend: replay",
+            )
+        gpus = self.ray.gpus_per_trial
+        if self.trial.device == "cuda" and gpus == 0:
+            raise ConfigError(
+                "ray.gpus_per_trial",
+                "ddp on cuda gives each worker its own GPU, and ray.gpus_per_trial is 0; "
+                "set ray.gpus_per_trial: 1",
+            )
+        if gpus == 0 and self.ray.cpus_per_trial == 0:
+            raise ConfigError(
+                "ray.cpus_per_trial",
+                "ddp workers need resources of their own: ray.cpus_per_trial and "
+                "ray.gpus_per_trial are both 0; set ray.cpus_per_trial: 1 (0.5 puts two "
+                "workers on one core)",
+            )
+        if gpus != int(gpus):
+            raise ConfigError(
+                "ray.gpus_per_trial",
+                f"ddp gives each worker whole GPUs (NCCL ranks cannot share one), got {gpus:g}; "
+                "use 1 (or 0 with device: cpu)",
+            )
 
     @property
     def noise_floor(self) -> float:

@@ -2,7 +2,9 @@
 
 Each trial runs in a process of its own (``python -m mbtune.trial``), started by the Ray
 trial actor, so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial
-cannot touch another: the actor records what happened and the search goes on.
+cannot touch another: the actor records what happened and the search goes on. With
+``trial.parallel: ddp`` the trial actor instead fits a Ray Train run whose workers, one
+process per device, are that trial's own (see mbtune.ddp).
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from mbtune.lattice import BatchConfig
 from mbtune.reporter import Reporter
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
-__all__ = ["SearchOutcome", "resume_search", "run_search", "search_points"]
+__all__ = [
+    "SearchOutcome",
+    "measure_with_ray_train",
+    "resume_search",
+    "run_search",
+    "search_points",
+    "trial_resources",
+]
 
 
 def search_points(exp: Experiment) -> list[BatchConfig]:
@@ -96,7 +105,9 @@ def run_search(
             num_samples=s.num_samples,
             max_concurrent_trials=exp.ray.max_concurrent_trials,
             time_budget_s=s.time_budget_s,
-            reuse_actors=True,  # isolation comes from the child process, not the actor
+            # isolation comes from the child process (or, for ddp, the Ray Train workers),
+            # not the actor; a ddp trial's actor owns its workers, so it ends with its trial
+            reuse_actors=exp.trial.parallel != "ddp",
         ),
         run_config=tune.RunConfig(
             name=RAY_DIR,
@@ -215,8 +226,22 @@ def _trainable_for(exp: Experiment) -> Any:
         tune.with_parameters(
             _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
         ),
-        {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial},
+        trial_resources(exp),
     )
+
+
+def trial_resources(exp: Experiment) -> dict[str, float]:
+    """What one Tune trial holds. A ddp trial only waits for its Ray Train workers, which
+    ask for ``ray.cpus_per_trial`` and ``ray.gpus_per_trial`` each, so it holds no CPU: on
+    two cores, two one-CPU workers can run. Tune needs some resource to place an actor, so
+    it holds one byte of Ray's memory resource instead."""
+    if exp.trial.parallel == "ddp":
+        return {"cpu": 0, "gpu": 0, "memory": 1}
+    return {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial}
+
+
+def _is_ddp(experiment: dict[str, Any]) -> bool:
+    return experiment.get("trial", {}).get("parallel") == "ddp"
 
 
 def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -> int:
@@ -247,6 +272,10 @@ def _optuna_storage(run: RunDir) -> Any:
 def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
     if address and address != "auto":
         _check_reachable(address)
+    # Ray replaces builtins.print the first time it shows a message from the cluster (a
+    # worker that died), also in a Ray started before; Tune then cannot save its state,
+    # which holds the callback's print
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
     if ray.is_initialized():
         return
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
@@ -293,11 +322,27 @@ def _first_line(e: BaseException) -> str:
 def _trainable(
     config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
 ) -> None:
-    """Run one trial in a fresh process and report what it measured to Tune."""
+    """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
+    measured to Tune."""
     from mbtune.searchers import pack_result
 
     batch = BatchConfig.from_mapping(config)
-    tune.report(pack_result(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)))
+    if _is_ddp(experiment):
+        result = measure_with_ray_train(experiment, batch, cwd=cwd)
+    else:
+        result = measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)
+    tune.report(pack_result(result))
+
+
+def measure_with_ray_train(
+    experiment: dict[str, Any], config: BatchConfig, *, cwd: str
+) -> dict[str, Any]:
+    """Measure ``config`` of a ``parallel: ddp`` experiment: here, in the trial actor, which
+    fits a Ray Train run and runs no model code itself (mbtune.ddp says why)."""
+    from mbtune.config import parse_experiment
+    from mbtune.trial import trial_metrics
+
+    return trial_metrics(parse_experiment(experiment), config, cwd=cwd)
 
 
 KILL_GRACE_S = 60.0

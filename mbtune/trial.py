@@ -3,9 +3,11 @@
 The trial is the measuring instrument of the whole tool. It follows DESIGN.md's trial
 protocol: one optimizer step = g forward/backward passes over micro-batches that differ
 by at most one sample, each loss scaled by (micro-batch samples / P) so the accumulated
-gradient equals the full-batch one, then the gradient all-reduce (modelled), then the
-optimizer step. Compile time is measured on its own and never mixed into throughput;
-every step time is kept.
+gradient equals the full-batch one, then the gradient all-reduce, then the optimizer
+step. With ``trial.parallel: simulate`` one device's share is measured and the all-reduce
+is modelled (:func:`ring_allreduce_s`); with ``ddp`` every device is a real process of a
+Ray Train run and the all-reduce is PyTorch's (:mod:`mbtune.ddp`). Compile time is
+measured on its own and never mixed into throughput; every step time is kept.
 
 Out of memory is a result (status ``oom``), not a crash. Bad input (a model that does not
 import, a CUDA device that does not exist, a replay table without the right columns)
@@ -20,6 +22,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import random
 import re
 import signal
@@ -45,6 +48,7 @@ __all__ = [
     "ring_allreduce_s",
     "run_trial",
     "split_batch",
+    "trial_metrics",
 ]
 
 STATUSES = ("ok", "oom", "error", "timeout")
@@ -77,7 +81,8 @@ class TrialResult:
     compute_time_ms: float | None = None
     """Median time of the forward/backward passes and optimizer step on one device."""
     comm_time_ms: float = 0.0
-    """Modelled ring all-reduce time per step (zero on one device)."""
+    """Ring all-reduce time per step (zero on one device): modelled with ``simulate``;
+    with ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
     bubble_time_ms: float = 0.0
     """Modelled pipeline bubble per step (zero without pipeline stages)."""
     compile_s: float | None = None
@@ -91,6 +96,9 @@ class TrialResult:
     """Every micro-batch size tried, in order (more than one after halving on OOM)."""
     device: str = "cpu"
     backend: str = "torch"
+    parallel: str = "simulate"
+    """``simulate`` (one device measured, all-reduce modelled) or ``ddp`` (every device a
+    real process: step times, compute and all-reduce all measured)."""
     reason: str | None = None
     """Why the status is not ok, in one line."""
     note: str | None = None
@@ -124,18 +132,27 @@ def ring_allreduce_s(
     return 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * latency_s
 
 
-def run_trial(exp: Experiment, config: BatchConfig) -> TrialResult:
+def run_trial(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -> TrialResult:
     """Measure one configuration of ``exp`` with its backend.
 
     With ``trial.on_oom: halve`` an out-of-memory result is retried at half the
     micro-batch size (Composer's behaviour) until it fits or the size reaches one.
+    ``cwd`` is where a user model is imported from (default: the current directory); it
+    matters only to ``parallel: ddp``, whose workers run in other processes.
     """
     started = time.perf_counter()
-    measure = _replay if exp.trial.backend == "replay" else _measure_torch
     tried: list[int] = []
     while True:
         tried.append(config.micro_batch_size)
-        result = _with_timeout(exp.trial.timeout_s, lambda c=config: measure(exp, c))
+        if exp.trial.backend == "torch" and exp.trial.parallel == "ddp":
+            from mbtune.ddp import measure_ddp
+
+            # ddp keeps its own deadline: its workers stop themselves at timeout_s, where an
+            # alarm here would leave them running
+            result = measure_ddp(exp, config, cwd=cwd or os.getcwd())
+        else:
+            measure = _replay if exp.trial.backend == "replay" else _measure_torch
+            result = _with_timeout(exp.trial.timeout_s, lambda c=config, f=measure: f(exp, c))
         if result is None:
             result = dataclasses.replace(
                 _base_result(exp, config, device=exp.trial.device, note=None),
@@ -187,13 +204,18 @@ def split_batch(data: tuple[Any, ...], sizes: list[int]) -> list[tuple[Any, ...]
     return [tuple(t[a:b] for t in data) for a, b in itertools.pairwise(bounds)]
 
 
-def accumulate_gradients(loss_fn: Callable, model: Any, batches: list[tuple[Any, ...]]) -> None:
+def accumulate_gradients(
+    loss_fn: Callable, model: Any, batches: list[tuple[Any, ...]], *, total: float | None = None
+) -> None:
     """One forward/backward pass per micro-batch, each mean loss weighted by its share.
 
     The weighted means sum to the mean loss of the whole per-device batch, so the
     accumulated gradient equals the full-batch gradient, uneven micro-batches included.
+    ``total``: the samples the shares are of (default: these batches' own); a ddp rank
+    passes B / n, so that DDP's average over ranks is the mean over all B samples.
     """
-    total = sum(len(batch[0]) for batch in batches)
+    if total is None:
+        total = sum(len(batch[0]) for batch in batches)
     for batch in batches:
         (loss_fn(model, batch) * (len(batch[0]) / total)).backward()
 
@@ -503,6 +525,7 @@ def _base_result(
         pipeline_stages=exp.train_input.pipeline_stages,
         device=device,
         backend=exp.trial.backend,
+        parallel=exp.trial.parallel,
         note=note,
     )
 
@@ -580,8 +603,16 @@ def _worker_main() -> int:
     request = json.loads(sys.stdin.read())
     exp = parse_experiment(request["experiment"])
     config = BatchConfig.from_mapping(request["config"])
+    print(json.dumps(trial_metrics(exp, config)))
+    return 0
+
+
+def trial_metrics(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -> dict:
+    """Measure ``config`` and give what the search reports to Tune: the result as a dict,
+    its objective, and whether the model's batch mixing changed the micro-batch size. Bad
+    input (MbtuneError) is an ``error`` result here: the search goes on."""
     try:
-        result = run_trial(exp, config)
+        result = run_trial(exp, config, cwd=cwd)
     except MbtuneError as e:
         result = dataclasses.replace(
             _base_result(exp, config, device=exp.trial.device, note=None), reason=str(e)
@@ -591,8 +622,7 @@ def _worker_main() -> int:
     metrics["mixes_batch"] = result.micro_batch_size != config.micro_batch_size and bool(
         result.note
     )
-    print(json.dumps(metrics))
-    return 0
+    return metrics
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,302 @@
+"""Data-parallel trials (trial.parallel: ddp): the DDP step's gradients, what ddp refuses,
+the pieces that keep a failing run from hanging, and one whole search on Ray Train whose
+trials run, run out of memory on one rank, and lose a worker."""
+
+from __future__ import annotations
+
+import builtins
+import csv
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from mbtune import ddp
+from mbtune.cli import main
+from mbtune.config import parse_experiment
+from mbtune.lattice import BatchConfig
+from mbtune.search import run_search, trial_resources
+
+# -- the DDP step: gradients ------------------------------------------------------------
+
+GRADIENT_CASES = [
+    ("mlp", BatchConfig(8, 2, 2)),  # 4 samples a rank, 2 micro-batches of 2
+    ("mlp", BatchConfig(7, 2, 2)),  # uneven ranks: 4 = 2 + 2 and 3 = 2 + 1
+    ("gpt", BatchConfig(5, 2, 1)),  # P = 3, g = 3; rank 1 has 2 samples: 2 micro-batches
+    ("gpt", BatchConfig(6, 2, 3)),  # g = 1: the step is one synchronised pass
+]
+
+
+def _gradient_rank(rank: int, world: int, init: str) -> None:
+    """One rank: DDP + accumulation over its share must give the full-batch gradient."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mbtune.models import build_model
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for name, config in GRADIENT_CASES:
+            options = {"n_layer": 1, "d_model": 16, "seq_len": 4, "vocab_size": 32}
+            spec = build_model(name, options if name == "gpt" else {}, seed=0)
+            module = spec.module.double()
+            torch.manual_seed(1)  # every rank makes the same global batch
+            batch = spec.make_batch(config.batch_size, torch.device("cpu"))
+            data = tuple(t.double() if t.is_floating_point() else t for t in batch)
+            spec.loss_fn(module, data).backward()  # the single-process full-batch gradient
+            full = [p.grad.clone() for p in module.parameters()]
+            module.zero_grad(set_to_none=True)
+
+            start = sum(config.device_batch_sizes[:rank])
+            share = tuple(t[start : start + config.device_batch_sizes[rank]] for t in data)
+            sizes = ddp.rank_micro_batches(config, rank)
+            model = DistributedDataParallel(module)
+            reduces = []
+
+            def counting(state, bucket, reduces=reduces):
+                reduces.append(bucket.buffer().numel())
+                fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+                return fut.then(lambda f: f.value()[0] / world)
+
+            model.register_comm_hook(None, counting)
+            batches = [tuple(t[a : a + m] for t in share) for a, m in _offsets(sizes)]
+            ddp.ddp_accumulate(spec.loss_fn, model, model, batches, total=config.batch_size / world)
+            # the tiny models fit one bucket: one all-reduce per step, whatever g is
+            assert len(reduces) == 1, (name, config, reduces)
+            for expected, p in zip(full, module.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
+def _offsets(sizes):
+    start = 0
+    for m in sizes:
+        yield start, m
+        start += m
+
+
+def test_ddp_accumulation_gives_the_full_batch_gradient(tmp_path):
+    import torch.multiprocessing as mp
+
+    # a rank's failed assertion is raised here, with the rank's own traceback
+    mp.spawn(_gradient_rank, args=(2, f"file://{tmp_path}/pg"), nprocs=2, join=True)
+
+
+def test_each_rank_takes_its_share_in_even_micro_batches():
+    assert [ddp.rank_micro_batches(BatchConfig(7, 2, 2), r) for r in (0, 1)] == [[2, 2], [2, 1]]
+    assert [ddp.rank_micro_batches(BatchConfig(5, 2, 1), r) for r in (0, 1)] == [[1, 1, 1], [1, 1]]
+    assert ddp.rank_micro_batches(BatchConfig(32, 4, 8), 3) == [8]
+
+
+# -- what ddp refuses ------------------------------------------------------------------
+
+BASE = {
+    "name": "d",
+    "model": {"name": "mlp", "in_features": 8, "hidden": 8, "n_layer": 1},
+    "train_input": {"batch_size": 16, "micro_batch_size": 4, "num_devices": 2},
+    "trial": {"parallel": "ddp", "compile": False},
+}
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train_input.pipeline_stages=2"], r"trial\.parallel: ddp does not run pipelines"),
+        (
+            ["trial.backend=replay", "trial.table=t.csv"],
+            r"trial\.parallel: ddp runs real workers, but the replay backend answers from "
+            r"trial\.table and runs nothing",
+        ),
+        (
+            ["trial.device=cuda"],
+            r"ray\.gpus_per_trial: ddp on cuda gives each worker its own GPU, and "
+            r"ray\.gpus_per_trial is 0; set ray\.gpus_per_trial: 1",
+        ),
+        (
+            ["ray.cpus_per_trial=0"],
+            r"ray\.cpus_per_trial: ddp workers need resources of their own: ray\.cpus_per_trial "
+            r"and ray\.gpus_per_trial are both 0",
+        ),
+        (
+            ["ray.gpus_per_trial=0.5"],
+            r"ray\.gpus_per_trial: ddp gives each worker whole GPUs .*, got 0\.5",
+        ),
+    ],
+)
+def test_what_ddp_cannot_do_is_one_line_and_exit_2(tmp_path, capsys, sets, message):
+    import re
+
+    import yaml
+
+    (tmp_path / "t.csv").write_text("batch_size,num_devices,micro_batch_size,samples_per_s\n")
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(BASE))
+    code = main(["validate", str(tmp_path / "e.yaml"), *[f"--set={s}" for s in sets]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
+def test_a_ddp_trial_holds_no_cpu_of_its_own_its_workers_do():
+    exp = parse_experiment({**BASE, "ray": {"cpus_per_trial": 1, "gpus_per_trial": 0}})
+    assert trial_resources(exp) == {"cpu": 0, "gpu": 0, "memory": 1}
+    simulate = parse_experiment({**BASE, "trial": {"compile": False}, "ray": {"cpus_per_trial": 2}})
+    assert trial_resources(simulate) == {"cpu": 2, "gpu": 0.0}
+
+
+def test_too_many_workers_for_the_cluster_is_an_error_that_says_what_to_change(ray_session):
+    exp = parse_experiment({**BASE, "ray": {"cpus_per_trial": 1}})
+    r = ddp.measure_ddp(exp, BatchConfig(16, 4, 4), cwd=".")
+    assert r.status == "error" and r.parallel == "ddp"
+    assert r.reason == (
+        "4 ddp workers need 4 CPU (ray.cpus_per_trial = 1 per worker), but the Ray cluster "
+        "has 2; lower ray.cpus_per_trial (a fraction shares a core) or num_devices"
+    )
+
+
+# -- no hang: the pieces ------------------------------------------------------------------
+
+
+def test_a_rank_stops_itself_at_the_deadline():
+    """The watchdog ends the worker's process wherever the rank is stuck."""
+    script = (
+        "import time\nfrom mbtune import ddp\n"
+        "ddp._run_rank = lambda exp, config: time.sleep(60)\n"
+        "ddp._rank_main({'deadline': time.time() + 1, 'cwd': '.', 'experiment': None, "
+        "'config': None})\n"
+    )
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == ddp.EXIT_TIMED_OUT, proc.stderr
+    assert time.perf_counter() - started < 30
+
+
+def test_a_run_that_never_ends_is_given_up():
+    class Stuck:
+        def fit(self):
+            time.sleep(60)
+
+    started = time.perf_counter()
+    assert ddp._fit(Stuck(), wait_s=0.5) is None
+    assert time.perf_counter() - started < 5
+
+
+def test_an_out_of_memory_on_any_rank_outranks_a_dead_worker_and_collateral_errors():
+    from ray.exceptions import RayActorError
+
+    class HealthCheckFailed(Exception):  # what Ray Train hands back for a dead worker
+        def __init__(self):
+            super().__init__("A worker health check failed.\nWorker info: ...")
+            self.health_check_failure = RayActorError()
+
+    gloo = RuntimeError("[gloo] Connection closed by peer")
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert ddp._worker_failure({0: gloo, 1: HealthCheckFailed()}) == (
+        "error",
+        "rank 1: the worker process died (SIGKILL: the kernel's out-of-memory killer?) "
+        "(and 1 other rank failed with it)",
+    )
+    assert ddp._worker_failure({0: gloo, 2: HealthCheckFailed(), 3: oom}) == (
+        "oom",
+        "rank 3: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (and 2 "
+        "other ranks failed with it)",
+    )
+    assert ddp._worker_failure({1: ValueError("bad shape")}) == (
+        "error",
+        "rank 1: ValueError: bad shape",
+    )
+
+
+# -- a whole search on Ray Train ----------------------------------------------------------
+
+# Fails on rank 1 only, and differently at each micro-batch size: runs at 2, runs out of
+# memory at 4 (inside the synchronised step, where the other rank waits in DDP's
+# all-reduce), and is SIGKILLed at 8.
+ONE_RANK_FAULTY = """
+import os, signal
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+class OneRankFaulty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls > 2:  # after the first (local) step
+            if x.shape[0] == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            if x.shape[0] == 8:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
+
+def build():
+    return (OneRankFaulty(), lambda n, device: (torch.randn(n, 4, device=device),),
+            lambda module, batch: module(batch[0]).pow(2).mean())
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
+    ray_session, tmp_path, monkeypatch
+):
+    (tmp_path / "one_rank_faulty.py").write_text(textwrap.dedent(ONE_RANK_FAULTY))
+    monkeypatch.chdir(tmp_path)  # the workers import the user model from here
+    exp = parse_experiment(
+        {
+            "name": "ddp",
+            "model": {"name": "one_rank_faulty:build"},
+            "train_input": {"batch_size": 16, "micro_batch_size": "auto", "num_devices": 2},
+            "search": {
+                "space": {"num_devices": [2], "micro_batch_size": [2, 4, 8]},
+                "sampler": "grid",
+                "confidence_target": 100,  # every configuration
+            },
+            "trial": {
+                "parallel": "ddp",
+                "device": "cpu",
+                "compile": False,
+                "warmup_steps": 1,
+                "measure_steps": 3,
+                "timeout_s": 120,
+            },  # fmt: skip
+            # all three at once, their six workers sharing the two cores
+            "ray": {"max_concurrent_trials": 3, "cpus_per_trial": 0.3},
+            "output_dir": str(tmp_path / "runs"),
+        }
+    )
+    lines = []
+    print_before = builtins.print
+    outcome = run_search(exp, echo=lines.append)
+    with outcome.run.trials_file.open(newline="") as f:
+        rows = {int(r["micro_batch_size"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [2, 4, 8] and len({r["trial_id"] for r in rows.values()}) == 3
+
+    ok = rows[2]
+    assert ok["status"] == "ok", ok
+    steps = [float(x) for x in ok["step_times_ms"].split()]
+    assert len(steps) == 3 and all(s > 0 for s in steps)
+    assert float(ok["samples_per_s"]) == pytest.approx(
+        16 / (float(ok["step_time_ms_median"]) / 1e3)
+    )
+    assert float(ok["compute_time_ms"]) > 0 and float(ok["comm_time_ms"]) > 0
+    assert int(ok["grad_accum_steps"]) == 4 and float(ok["peak_memory_bytes"]) > 0
+
+    assert (rows[4]["status"], rows[4]["reason"]) == (
+        "oom", "rank 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )  # fmt: skip
+    assert rows[8]["status"] == "error"
+    assert rows[8]["reason"].startswith("rank 1: the worker process died (SIGKILL")
+    best = outcome.summary["recommended"]
+    assert (best["micro_batch_size"], best["num_devices"]) == (2, 2)
+    assert any("3 trials finished (2 not ok)" in line for line in lines)
+    # Ray showed the dead worker's message without replacing print, which Tune's saved
+    # state holds through the callbacks (its state could not be saved for --resume)
+    assert builtins.print is print_before
