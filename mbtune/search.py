@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -60,14 +61,15 @@ def run_search(
     dashboard: bool | None = None,
     verbose: bool = False,
     warm_start: str | Path | None = None,
-    echo: Any = print,
+    echo: Any = None,
 ) -> SearchOutcome:
     """Search ``exp``'s space and return what was measured; writes a run directory."""
     from mbtune.searchers import make_searcher
 
+    echo = echo or _echo
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
-    _start_ray(exp, address, dashboard, verbose, echo)
+    cluster = _start_ray(exp, address, dashboard, verbose, echo)
     run = RunDir.create(exp.output_dir, exp.name)
     run.write_experiment(exp.to_dict())
     s = exp.search
@@ -107,7 +109,7 @@ def run_search(
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    return _fit(tuner, run, exp, reporter, echo)
+    return _fit(tuner, run, exp, reporter, echo, cluster)
 
 
 def resume_search(
@@ -125,23 +127,32 @@ def resume_search(
     state = run.path / RAY_DIR
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
-    _start_ray(exp, address, dashboard, verbose, print)
-    print(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    cluster = _start_ray(exp, address, dashboard, verbose, _echo)
+    _echo(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
     reporter = _reporter_for(exp, search_points(exp), run)
     # the callbacks and the stopper come back with Ray's saved state; they keep theirs
     # in the run directory
     tuner = tune.Tuner.restore(
         str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
     )
-    return _fit(tuner, run, exp, reporter, print)
+    return _fit(tuner, run, exp, reporter, _echo, cluster)
 
 
 RAY_DIR = "ray"
 """Ray Tune's own experiment state, inside the run directory."""
 
 
-def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any) -> SearchOutcome:
-    with _graceful_stop() as interrupted:
+def _echo(line: str) -> None:
+    """Print one line now. Not ``print`` itself: Tune pickles the callbacks with its
+    experiment state, and once Ray has replaced ``builtins.print`` (it does to show worker
+    output, on a cluster or with --verbose) the original no longer pickles."""
+    print(line, flush=True)
+
+
+def _fit(
+    tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any, cluster: str | None
+) -> SearchOutcome:
+    with _graceful_stop() as interrupted, _watch_head(cluster, run, reporter):
         tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
@@ -157,6 +168,83 @@ def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any
     outcome = SearchOutcome(run, rows, summary)
     _print_summary(outcome, echo)
     return outcome
+
+
+EXIT_CLUSTER_LOST = 75
+"""The exit code of a search whose cluster's head node went away (sysexits' EX_TEMPFAIL:
+try again later, with --resume)."""
+
+_LEDGER = threading.Lock()
+"""Held while a finished trial is written, so that a search ended by a lost head never
+leaves a row half-written."""
+
+
+@contextlib.contextmanager
+def _watch_head(cluster: str | None, run: RunDir, reporter: Reporter) -> Iterator[None]:
+    """On a cluster: should its head node (its GCS) stop answering, end the search cleanly
+    before Ray ends this process itself (``RAY_gcs_rpc_server_reconnect_timeout_s``, 60 s,
+    after which Ray's C++ client exits with a log line of its own): every finished trial is
+    already in trials.csv; write the summary (interrupted, and why), say so in one line and
+    exit with EXIT_CLUSTER_LOST. A trial in flight was not measured: --resume runs it."""
+    if cluster is None:
+        yield
+        return
+    give_up_after_s = _head_patience_s()
+    done = threading.Event()
+
+    def watch() -> None:
+        silent_since = None
+        while not done.wait(1.0):
+            if _answers(cluster):
+                silent_since = None
+                continue
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since >= give_up_after_s:
+                _head_lost(cluster, run, reporter, time.monotonic() - silent_since)
+
+    thread = threading.Thread(target=watch, name="mbtune-head-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _head_patience_s() -> float:
+    """How long a silent head is waited for: a restarting GCS (fault-tolerant, with Redis)
+    comes back; 10 s less than Ray itself waits, so that the end is ours, not Ray's."""
+    name = "RAY_gcs_rpc_server_reconnect_timeout_s"  # Ray's own spelling  # noqa: SIM112
+    try:
+        reconnect_s = float(os.environ.get(name, 60))
+    except ValueError:
+        reconnect_s = 60.0
+    return max(reconnect_s - 10, reconnect_s / 2)
+
+
+def _answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def _head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) -> None:
+    with _LEDGER:  # no row is being written now, and none will be
+        rows = run.trials()
+        summary = reporter.summary(rows, "interrupted", run.recommendations())
+        summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
+        run.write_json("summary.json", summary)
+        sys.stdout.flush()
+        print(
+            f"mbtune: error: the Ray cluster's head node ({cluster}) has not answered for "
+            f"{silent_s:.0f} s; {run.trials_file} holds the {len(rows)} finished trial(s); "
+            f"continue with: mbtune run --resume {run.path} (and --address of a cluster)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CLUSTER_LOST)  # Tune's loop waits on the dead cluster: it cannot return
 
 
 @contextlib.contextmanager
@@ -202,12 +290,38 @@ def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Re
 
 def _start_ray(
     exp: Experiment, address: str | None, dashboard: bool | None, verbose: bool, echo: Any
-) -> None:
+) -> str | None:
+    """Start or join Ray; the cluster's GCS address once joined, None for an embedded Ray."""
     address = address if address is not None else exp.ray.address
     dashboard = dashboard if dashboard is not None else exp.ray.dashboard
-    _init_ray(address, dashboard, verbose)
-    if dashboard and not address:
-        echo(f"mbtune dashboard: http://{ray.get_runtime_context().dashboard_url}")
+    started = _init_ray(address, dashboard, verbose)
+    if started is None:
+        return None  # the caller's own Ray (the tests' session Ray): theirs to show
+    cluster, url = started
+    if cluster is not None:
+        echo(f"mbtune: joined the Ray cluster at {cluster}: {_cluster_size()}")
+        if dashboard and url:  # the cluster's own: where it listens is the cluster's say
+            echo(f"mbtune dashboard (the cluster's): http://{url}")
+        elif dashboard:
+            echo("mbtune: the cluster runs no dashboard (ray start --head --include-dashboard)")
+    elif dashboard:
+        echo(f"mbtune dashboard: http://{url}{_token_note()}" if url else
+             "mbtune: Ray did not start its dashboard (see --verbose)")  # fmt: skip
+    return cluster
+
+
+def _cluster_size() -> str:
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    have = ray.cluster_resources()
+    return f"{nodes} node(s), {have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs"
+
+
+def _token_note() -> str:
+    """How to open a dashboard that asks for Ray's token (Ray 2.59+ turns token
+    authentication on for the local Ray it starts; ray.init sets RAY_AUTH_MODE then)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ""
+    return " (it asks for Ray's token: `ray get-auth-token` prints it)"
 
 
 def _trainable_for(exp: Experiment) -> Any:
@@ -244,33 +358,57 @@ def _optuna_storage(run: RunDir) -> Any:
     return optuna.storages.RDBStorage(run.optuna_url)
 
 
-def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
-    if address and address != "auto":
-        _check_reachable(address)
+RAY_CLIENT_REFUSED = (
+    "--address: {address}: Ray Client (ray://) would run the search itself on the head "
+    "node, so the run directory would not be written here (Ray advises Ray Jobs for Tune); "
+    "run mbtune on a node of the cluster with --address auto or HOST:PORT (the head's GCS "
+    "port, 6379 by default), or submit it: ray job submit --address http://HEAD:8265 "
+    "--working-dir . -- mbtune run EXPERIMENT.yaml"
+)
+
+
+def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> tuple[str | None, str | None]:
+    """Join the cluster at ``address`` (or RAY_ADDRESS, as ray.init does), else start an
+    embedded Ray. Returns the cluster's GCS address once joined (None for an embedded Ray)
+    and the dashboard's host:port (None without one)."""
+    joining = address or os.environ.get("RAY_ADDRESS") or None
+    if joining and "://" in joining:
+        raise MbtuneError(RAY_CLIENT_REFUSED.format(address=joining))
+    if joining and joining != "auto":
+        _check_reachable(joining, quiet=not verbose)
     if ray.is_initialized():
-        return
+        return None
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     try:
-        if address:
-            ray.init(address=address, **quiet)
+        if joining:
+            context = ray.init(address=joining, runtime_env=_shipped_code(), **quiet)
         else:
-            ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
+            context = ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = address or "an embedded local Ray"
+        where = joining or "an embedded local Ray"
         raise MbtuneError(f"--address: cannot start or reach {where}: {_first_line(e)}") from None
+    url = context.address_info.get("webui_url") or None
+    return (ray.get_runtime_context().gcs_address if joining else None), url
 
 
-def _check_reachable(address: str) -> None:
-    """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port)."""
-    import socket
+def _shipped_code() -> dict[str, Any]:
+    """The runtime environment of a search on a cluster: this mbtune package, put first on
+    every worker's PYTHONPATH (so also on its trial processes'), so that the cluster's
+    nodes run the very code of the driver, whatever mbtune they have installed."""
+    import mbtune
 
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return {"py_modules": [str(Path(mbtune.__file__).parent)]}
+
+
+def _check_reachable(address: str, *, quiet: bool = True) -> None:
+    """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port), or
+    when the cluster there wants a token this process does not send."""
+    host, _, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise MbtuneError(
-            f"--address: {address!r} is not 'auto', host:port or ray://host:port "
-            "(a port from 1 to 65535)"
+            f"--address: {address!r} is not 'auto' or host:port (a port from 1 to 65535)"
         )
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -279,6 +417,65 @@ def _check_reachable(address: str) -> None:
             f"--address: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
             "start a cluster with `ray start --head`, or leave out --address for an embedded Ray"
         ) from None
+    _check_token(address, quiet)
+
+
+TOKEN_CHECK_S = 10.0
+"""How long the token check waits for an answer (a port that accepts and never answers)."""
+
+
+def _check_token(address: str, quiet: bool) -> None:
+    """A cluster with token authentication (Ray 2.59+ turns it on for the clusters `ray
+    start` makes) refuses a driver without its token, and ray.init then retries for 20 s.
+    Ask once; anything but a refused token is left for ray.init to report."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # a Ray without token authentication
+        return
+    answer: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            GcsClient(address=address)
+            answer.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            answer.append(e)
+
+    with _stderr_silenced(quiet):  # Ray's C++ client logs the refusal itself
+        asking = threading.Thread(target=ask, name="mbtune-token-check", daemon=True)
+        asking.start()
+        asking.join(TOKEN_CHECK_S)
+    if not answer or not isinstance(answer[0], AuthenticationError):
+        return  # no answer, or not a token problem: ray.init says what it is
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        raise MbtuneError(
+            f"--address: the Ray cluster at {address} refused this token; Ray reads it from "
+            "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (on the head node, "
+            "`ray get-auth-token` prints the cluster's)"
+        )
+    raise MbtuneError(
+        f"--address: the Ray cluster at {address} requires token authentication: set "
+        "RAY_AUTH_MODE=token, and RAY_AUTH_TOKEN to its token unless ~/.ray/auth_token "
+        "holds it (on the head node, `ray get-auth-token` prints it)"
+    )
+
+
+@contextlib.contextmanager
+def _stderr_silenced(silence: bool) -> Iterator[None]:
+    """Send file descriptor 2 (where Ray's C++ code logs) to /dev/null for a moment."""
+    if not silence:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(e: BaseException) -> str:
@@ -293,9 +490,10 @@ def _first_line(e: BaseException) -> str:
 def _trainable(
     config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
 ) -> None:
-    """Run one trial in a fresh process and report what it measured to Tune."""
+    """Run one trial in a fresh process and report what it measured, and where, to Tune."""
     batch = BatchConfig.from_mapping(config)
-    tune.report(measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s))
+    result = measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)
+    tune.report({**result, "node_id": ray.get_runtime_context().get_node_id()})
 
 
 KILL_GRACE_S = 60.0
@@ -323,6 +521,10 @@ def measure_in_subprocess(
     except subprocess.TimeoutExpired:
         reason = f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
         return {**base, "status": "timeout", "reason": reason,
+                "wall_s": time.perf_counter() - started}  # fmt: skip
+    except OSError as e:  # on a cluster: the driver's directory is missing on this node
+        reason = f"cannot start the trial process in {cwd} on {socket.gethostname()}: {e}"
+        return {**base, "status": "error", "reason": reason,
                 "wall_s": time.perf_counter() - started}  # fmt: skip
     result = _last_json_object(proc.stdout) if proc.returncode == 0 else None
     if result is not None:
@@ -379,25 +581,55 @@ class TrialLog(Callback):
         self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
 
     def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
-        finished = self.run.trials()
-        if any(r.get("trial_id") == trial.trial_id for r in finished):
-            return  # recorded before an interruption; Ray's state had not caught up
-        row: dict[str, Any] = {
-            **BatchConfig.from_mapping(trial.config).sizes(),
-            "status": "error",
-            "reason": "the trial actor failed" if crashed else "no result",
-        }
-        row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
-        row["trial"] = len(finished) + 1
-        row["trial_id"] = trial.trial_id
-        row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self.run.append_trial(row)
+        with _LEDGER:
+            row = self._record(trial, result, crashed)
+        if row is None:
+            return
         self.echo(_trial_line(row))
         rec = self.reporter.update(self.run.trials(), self.run.recommendations())
         if rec is not None:
             self.run.append_recommendation(rec.record())
             self.confidence = rec.confidence
             self.echo(rec.line())
+
+    def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
+        finished = self.run.trials()
+        if any(r.get("trial_id") == trial.trial_id for r in finished):
+            return None  # recorded before an interruption; Ray's state had not caught up
+        row: dict[str, Any] = {
+            **BatchConfig.from_mapping(trial.config).sizes(),
+            "status": "error",
+            "reason": "no result",
+        }
+        if crashed and result is None:
+            row["reason"], row["node_id"] = _actor_failure(trial)
+        row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
+        row["trial"] = len(finished) + 1
+        row["trial_id"] = trial.trial_id
+        row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self.run.append_trial(row)
+        return row
+
+
+def _actor_failure(trial: Any) -> tuple[str, str | None]:
+    """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
+    the error Tune recorded; and the node that ran it, where the cluster still knows."""
+    path = getattr(trial, "error_file", None)
+    try:
+        text = Path(path).read_text(errors="replace") if path else ""
+    except OSError:
+        text = ""
+    last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
+    words = " ".join(line.strip() for line in last if line.strip())
+    reason = "the trial actor failed" + (f": {words[:300]}" if words else "")
+    node = None
+    actor = re.search(r"\b[Aa]ctor ([0-9a-f]{32})\b", words)
+    if actor:
+        try:
+            node = ray._private.state.actors(actor.group(1))["Address"]["NodeID"] or None
+        except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
+            node = None
+    return reason, node
 
 
 class ConfidenceStop(tune.Stopper):
