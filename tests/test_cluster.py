@@ -137,7 +137,7 @@ def cluster():
 
 @pytest.mark.slow
 def test_a_search_runs_on_the_cluster_and_goes_on_when_a_worker_node_is_lost(cluster, tmp_path):
-    held = Held(tmp_path)
+    held = Held(tmp_path, sizes=(2, 4, 8))
     head, worker = cluster.nodes
     ids = cluster.alive_node_ids()
     head_id, worker_id = (next(i for i, is_head in ids.items() if is_head == h) for h in (1, 0))
@@ -158,16 +158,16 @@ def test_a_search_runs_on_the_cluster_and_goes_on_when_a_worker_node_is_lost(clu
     # Ray names the head by the machine's address, not by the loopback one it was given
     assert f":{cluster.port}: 2 node(s), 2 CPUs, 0 GPUs" in held.out()
     rows = RunDir(held.run_dir()).trials()
-    assert configs(rows) == [1, 2, 4, 8]  # each configuration once, none lost
+    assert configs(rows) == [2, 4, 8]  # each configuration once, none lost
     lost = [r for r in rows if r["status"] != "ok"]
     assert len(lost) == 1 and lost[0]["status"] == "error", rows
     assert lost[0]["reason"].startswith("the trial actor failed: "), lost[0]["reason"]
     assert lost[0]["node_id"] == worker_id  # where it ran, from what the cluster knows
-    # the trial on the head, and the two after the loss, measured on the head
-    assert [r["node_id"] for r in rows if r["status"] == "ok"] == [head_id] * 3
+    # the trial on the head, and the one after the loss, measured on the head
+    assert [r["node_id"] for r in rows if r["status"] == "ok"] == [head_id] * 2
     assert all(float(r["samples_per_s"]) > 0 for r in rows if r["status"] == "ok")
     summary = json.loads((held.run_dir() / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["trials"] == 4
+    assert summary["status"] == "finished" and summary["trials"] == 3
 
 
 @pytest.mark.slow
@@ -193,8 +193,8 @@ def test_joining_a_cluster_without_its_token_is_a_one_line_error(cluster, tmp_pa
 def test_a_search_whose_head_node_goes_away_stops_cleanly_and_resumes(tmp_path):
     held = Held(tmp_path, concurrent=1, sizes=(4, 8))
     lonely = LocalCluster()
-    # Ray ends a driver 20 s after its GCS went silent; mbtune ends the search 10 s before
-    env = lonely.env(RAY_gcs_rpc_server_reconnect_timeout_s="20")
+    # Ray ends a driver 12 s after its GCS went silent; mbtune ends the search at 6 s
+    env = lonely.env(RAY_gcs_rpc_server_reconnect_timeout_s="12")
     proc = None
     try:
         lonely.start_head()
@@ -214,11 +214,11 @@ def test_a_search_whose_head_node_goes_away_stops_cleanly_and_resumes(tmp_path):
     assert code == 75, held.err()[-3000:]
     port = lonely.port  # Ray names the head by the machine's address, not the loopback one
     assert re.fullmatch(rf"mbtune: error: the Ray cluster's head node \(\S+:{port}\) has not "
-                        rf"answered for 1\d s; \S+/trials.csv holds the \d finished trial\(s\); "
+                        rf"answered for \d+ s; \S+/trials.csv holds the \d finished trial\(s\); "
                         rf"continue with: mbtune run --resume \S+ \(and --address of a cluster\)",
                         err[-1]), err[-1]  # fmt: skip
     assert "Traceback" not in held.err()
-    assert 10 <= waited < 20  # ended by mbtune, before Ray's own end of the driver
+    assert waited >= 6  # it waited for a head that might come back (Ray's exit code is 1)
     run = RunDir(held.run_dir())
     before = run.trials()
     assert len(before) == 1 and before[0]["status"] == "ok"  # the other was in flight
