@@ -176,7 +176,7 @@ try again later, with --resume)."""
 
 _LEDGER = threading.Lock()
 """Held while a finished trial is written, so that a search ended by a lost head never
-leaves a row half-written."""
+leaves one half-written."""
 
 
 @contextlib.contextmanager
@@ -367,10 +367,12 @@ RAY_CLIENT_REFUSED = (
 )
 
 
-def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> tuple[str | None, str | None]:
+def _init_ray(
+    address: str | None, dashboard: bool, verbose: bool
+) -> tuple[str | None, str | None] | None:
     """Join the cluster at ``address`` (or RAY_ADDRESS, as ray.init does), else start an
     embedded Ray. Returns the cluster's GCS address once joined (None for an embedded Ray)
-    and the dashboard's host:port (None without one)."""
+    and the dashboard's host:port (None without one); None if Ray was running already."""
     joining = address or os.environ.get("RAY_ADDRESS") or None
     if joining and "://" in joining:
         raise MbtuneError(RAY_CLIENT_REFUSED.format(address=joining))
@@ -581,16 +583,16 @@ class TrialLog(Callback):
         self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
 
     def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
-        with _LEDGER:
+        with _LEDGER:  # a finished trial is written whole (row, recommendation) or not at all
             row = self._record(trial, result, crashed)
-        if row is None:
-            return
-        self.echo(_trial_line(row))
-        rec = self.reporter.update(self.run.trials(), self.run.recommendations())
-        if rec is not None:
-            self.run.append_recommendation(rec.record())
-            self.confidence = rec.confidence
-            self.echo(rec.line())
+            if row is None:
+                return
+            self.echo(_trial_line(row))
+            rec = self.reporter.update(self.run.trials(), self.run.recommendations())
+            if rec is not None:
+                self.run.append_recommendation(rec.record())
+                self.confidence = rec.confidence
+                self.echo(rec.line())
 
     def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
         finished = self.run.trials()
