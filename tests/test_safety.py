@@ -85,7 +85,7 @@ def ray_init(monkeypatch):
     return calls
 
 
-def test_the_dashboard_binds_to_loopback(ray_init):
+def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
     from mbtune.search import _init_ray, _start_ray
 
     _init_ray(None, True, False)
@@ -103,7 +103,7 @@ def test_the_dashboard_binds_to_loopback(ray_init):
     # a Ray with token authentication (its default for the local Ray it starts): say how
     # to open the dashboard
     lines.clear()
-    os.environ["RAY_AUTH_MODE"] = "token"  # ray.init sets it so; the fixture removes it
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as ray.init sets it
     _start_ray(exp, None, None, False, lines.append)
     assert lines == [
         "mbtune dashboard: http://127.0.0.1:8265 (it asks for Ray's token: "
