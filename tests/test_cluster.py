@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster import LocalCluster
+from cluster import LocalCluster, kill_session
 
 from mbtune.rundir import RunDir
 
@@ -115,9 +115,10 @@ def wait_for(condition, what: str, proc: subprocess.Popen, held: Held, timeout: 
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the driver and its children
-        proc.wait()
+    """Kill what is left of an `mbtune run`: its session holds the driver and what it
+    started (an embedded Ray's processes, its trial processes)."""
+    kill_session(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def configs(rows: list[dict]) -> list[int]:
@@ -178,14 +179,18 @@ def test_joining_a_cluster_without_its_token_is_a_one_line_error(cluster, tmp_pa
         (env, "requires token authentication: set RAY_AUTH_MODE=token"),
         ({**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, "refused this token"),
     ]
-    for environment, says in cases:
-        command = [*MBTUNE, "run", str(held.file), "--address", cluster.address]
-        done = subprocess.run(command, capture_output=True, text=True, env=environment,
-                              cwd=tmp_path, timeout=60)  # fmt: skip
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.startswith(f"mbtune: error: --address: the Ray cluster at "
-                                      f"{cluster.address} {says}")  # fmt: skip
-        assert done.stderr.count("\n") == 1  # one line: Ray's own log of the refusal is not shown
+    command = [*MBTUNE, "run", str(held.file), "--address", cluster.address]
+    runs = [  # at once: each is a whole mbtune start-up
+        (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=environment, cwd=tmp_path), says)
+        for environment, says in cases
+    ]  # fmt: skip
+    for proc, says in runs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err
+        assert err.startswith(f"mbtune: error: --address: the Ray cluster at {cluster.address} "
+                              f"{says}")  # fmt: skip
+        assert err.count("\n") == 1  # one line: Ray's own log of the refusal is not shown
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
