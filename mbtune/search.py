@@ -382,6 +382,8 @@ def _init_ray(
         return None
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    if not verbose:  # a failed trial is recorded with its reason: no traceback from Tune too
+        os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     try:
         if joining:
             context = ray.init(address=joining, runtime_env=_shipped_code(), **quiet)
