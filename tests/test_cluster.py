@@ -1,6 +1,6 @@
 """`mbtune run` on a real Ray cluster, and the ways a cluster goes away.
 
-A cluster of `ray start` processes on this machine (tests/cluster.py): a head and a worker
+A cluster of `ray start` processes on this machine (tests/local_cluster.py): a head and a worker
 node, one CPU each, so that two trials at a time run one on each node. The trials build a
 model that holds while a file exists (the "hold"), so a test knows that a trial is in flight,
 and on which node (its process is in that node's session), before it kills a node: no
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster import LocalCluster, kill_session
+from local_cluster import LocalCluster, kill_session
 
 from mbtune.rundir import RunDir
 
@@ -345,28 +345,28 @@ def test_a_cluster_runs_the_drivers_mbtune_and_an_embedded_ray_needs_no_shipping
     ray_init, monkeypatch
 ):
     import mbtune
-    from mbtune.search import _init_ray
+    from mbtune.cluster import init_ray
 
-    assert _init_ray("auto", False, False) == ("h:1", None)
+    assert init_ray("auto", False, False) == ("h:1", None)
     shipped = ray_init[-1]["runtime_env"]["py_modules"]
     assert shipped == [str(Path(mbtune.__file__).parent)] and Path(shipped[0], "trial.py").is_file()
-    assert _init_ray(None, False, False) == (None, None)
+    assert init_ray(None, False, False) == (None, None)
     assert "runtime_env" not in ray_init[-1] and "address" not in ray_init[-1]
     # no --address, RAY_ADDRESS set (as `ray job submit` does): ray.init's rule, said aloud
     monkeypatch.setenv("RAY_ADDRESS", "auto")
-    assert _init_ray(None, False, False) == ("h:1", None)
+    assert init_ray(None, False, False) == ("h:1", None)
     assert ray_init[-1]["address"] == "auto" and "runtime_env" in ray_init[-1]
 
 
 def test_a_port_that_never_answers_does_not_hold_the_token_check(monkeypatch):
     import socket
 
-    from mbtune import search
+    from mbtune import cluster as joining
 
-    monkeypatch.setattr(search, "TOKEN_CHECK_S", 1.0)
+    monkeypatch.setattr(joining, "TOKEN_CHECK_S", 1.0)
     with socket.socket() as silent:  # accepts connections (the kernel does), answers nothing
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         started = time.monotonic()
-        search._check_reachable(f"127.0.0.1:{silent.getsockname()[1]}")
+        joining.check_reachable(f"127.0.0.1:{silent.getsockname()[1]}")
         assert time.monotonic() - started < 5  # Ray's client alone waits 40 s here

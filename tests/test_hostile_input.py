@@ -439,7 +439,7 @@ def test_errors_are_one_printable_line(workdir):
     ],
 )
 def test_a_hostile_address_is_a_clean_error(address, match):
-    from mbtune.search import _check_reachable
+    from mbtune.cluster import check_reachable
 
     with pytest.raises(MbtuneError, match=match):
-        _check_reachable(address)
+        check_reachable(address)

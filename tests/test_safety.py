@@ -86,12 +86,13 @@ def ray_init(monkeypatch):
 
 
 def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
-    from mbtune.search import _init_ray, _start_ray
+    from mbtune.cluster import init_ray
+    from mbtune.search import _start_ray
 
-    _init_ray(None, True, False)
+    init_ray(None, True, False)
     assert ray_init[-1]["include_dashboard"] is True
     assert ray_init[-1]["dashboard_host"] == "127.0.0.1"
-    _init_ray(None, False, False)
+    init_ray(None, False, False)
     assert ray_init[-1]["include_dashboard"] is False
     # ray.dashboard: true in the experiment (as --dashboard) starts it on loopback too
     exp = parse_experiment({**yaml.safe_load(VALID), "ray": {"dashboard": True}})
@@ -114,11 +115,11 @@ def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
 def test_a_cluster_keeps_its_own_dashboard_settings(ray_init, monkeypatch):
     import ray
 
-    from mbtune.search import _init_ray
+    from mbtune.cluster import init_ray
 
     monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="h:1"))
     # joining a cluster (--address) opens nothing: its dashboard is the cluster's own
-    _init_ray("auto", True, False)
+    init_ray("auto", True, False)
     assert ray_init[-1]["address"] == "auto"
     assert "include_dashboard" not in ray_init[-1] and "dashboard_host" not in ray_init[-1]
 
