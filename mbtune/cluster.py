@@ -41,7 +41,7 @@ TOKEN_CHECK_S = 10.0
 """How long the token check waits for an answer (a port that accepts and never answers)."""
 
 RAY_CLIENT_REFUSED = (
-    "--address: {address}: Ray Client (ray://) would run the search itself on the head "
+    "{flag}: {address}: Ray Client (ray://) would run the search itself on the head "
     "node, so the run directory would not be written here (Ray advises Ray Jobs for Tune); "
     "run mbtune on a node of the cluster with --address auto or HOST:PORT (the head's GCS "
     "port, 6379 by default), or submit it: ray job submit --address http://HEAD:8265 "
@@ -56,10 +56,11 @@ def init_ray(
     embedded Ray. Returns the cluster's GCS address once joined (None for an embedded Ray)
     and the dashboard's host:port (None without one); None if Ray was running already."""
     joining = address or os.environ.get("RAY_ADDRESS") or None
+    flag = "--address" if address else "RAY_ADDRESS"  # where the user said it
     if joining and "://" in joining:
-        raise MbtuneError(RAY_CLIENT_REFUSED.format(address=joining))
+        raise MbtuneError(RAY_CLIENT_REFUSED.format(flag=flag, address=joining))
     if joining and joining != "auto":
-        check_reachable(joining, quiet=not verbose)
+        check_reachable(joining, quiet=not verbose, flag=flag)
     if ray.is_initialized():
         return None
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
@@ -73,7 +74,7 @@ def init_ray(
             context = ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = joining or "an embedded local Ray"
-        raise MbtuneError(f"--address: cannot start or reach {where}: {_first_line(e)}") from None
+        raise MbtuneError(f"{flag}: cannot start or reach {where}: {_first_line(e)}") from None
     url = context.address_info.get("webui_url") or None
     return (ray.get_runtime_context().gcs_address if joining else None), url
 
@@ -106,26 +107,31 @@ def token_note() -> str:
 # is the address worth asking ray.init about?
 
 
-def check_reachable(address: str, *, quiet: bool = True) -> None:
+def check_reachable(address: str, *, quiet: bool = True, flag: str = "--address") -> None:
     """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port), or
-    when the cluster there wants a token this process does not send."""
+    when the cluster there wants a token this process does not send. ``flag`` names where
+    the address came from, in the error."""
     host, _, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise MbtuneError(
-            f"--address: {address!r} is not 'auto' or host:port (a port from 1 to 65535)"
+            f"{flag}: {address!r} is not 'auto' or host:port (a port from 1 to 65535)"
         )
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError) as e:  # ValueError: a host name IDNA cannot encode
         raise MbtuneError(
-            f"--address: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
-            "start a cluster with `ray start --head`, or leave out --address for an embedded Ray"
+            f"{flag}: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
+            f"start a cluster with `ray start --head`, or {_without(flag)} for an embedded Ray"
         ) from None
-    _check_token(address, quiet)
+    _check_token(address, quiet, flag)
 
 
-def _check_token(address: str, quiet: bool) -> None:
+def _without(flag: str) -> str:
+    return "unset RAY_ADDRESS" if flag == "RAY_ADDRESS" else f"leave out {flag}"
+
+
+def _check_token(address: str, quiet: bool, flag: str) -> None:
     """A cluster with token authentication refuses a driver without its token. Ask once,
     for at most TOKEN_CHECK_S; anything but a refused token is left for ray.init to report."""
     try:
@@ -150,12 +156,12 @@ def _check_token(address: str, quiet: bool) -> None:
         return  # no answer, or not a token problem: ray.init says what it is
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
         raise MbtuneError(
-            f"--address: the Ray cluster at {address} refused this token; Ray reads it from "
+            f"{flag}: the Ray cluster at {address} refused this token; Ray reads it from "
             "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (on the head node, "
             "`ray get-auth-token` prints the cluster's)"
         )
     raise MbtuneError(
-        f"--address: the Ray cluster at {address} requires token authentication: set "
+        f"{flag}: the Ray cluster at {address} requires token authentication: set "
         "RAY_AUTH_MODE=token, and RAY_AUTH_TOKEN to its token unless ~/.ray/auth_token "
         "holds it (on the head node, `ray get-auth-token` prints it)"
     )

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -300,8 +301,6 @@ def test_the_dashboard_answers_on_loopback_while_a_search_runs(tmp_path):
 
 def answers_elsewhere(port: int) -> bool:
     """Does ``port`` answer on one of this machine's addresses other than loopback?"""
-    import socket
-
     addresses = set()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -359,8 +358,6 @@ def test_a_cluster_runs_the_drivers_mbtune_and_an_embedded_ray_needs_no_shipping
 
 
 def test_a_port_that_never_answers_does_not_hold_the_token_check(monkeypatch):
-    import socket
-
     from mbtune import cluster as joining
 
     monkeypatch.setattr(joining, "TOKEN_CHECK_S", 1.0)
@@ -370,3 +367,19 @@ def test_a_port_that_never_answers_does_not_hold_the_token_check(monkeypatch):
         started = time.monotonic()
         joining.check_reachable(f"127.0.0.1:{silent.getsockname()[1]}")
         assert time.monotonic() - started < 5  # Ray's client alone waits 40 s here
+
+
+def test_an_address_from_ray_address_is_named_so_in_errors(monkeypatch, tmp_path):
+    from mbtune.cluster import init_ray
+    from mbtune.errors import MbtuneError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(MbtuneError, match=rf"^RAY_ADDRESS: nothing answers at 127.0.0.1:{port} "
+                       r".*or unset RAY_ADDRESS for an embedded Ray$"):  # fmt: skip
+        init_ray(None, False, False)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
+    with pytest.raises(MbtuneError, match=r"^RAY_ADDRESS: ray://127.0.0.1:10001: Ray Client"):
+        init_ray(None, False, False)
