@@ -125,7 +125,7 @@ def resume_search(
 
     run = RunDir.open(path, flag="--resume")
     exp = load_experiment(run.experiment_file)
-    state = run.path / RAY_DIR
+    state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
     cluster = _start_ray(exp, address, dashboard, verbose, _echo)

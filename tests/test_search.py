@@ -138,13 +138,15 @@ def test_the_trial_process_reports_json(tmp_path):
 
 
 @pytest.mark.ray
-def test_warm_start_and_resume(ray_session, tmp_path):
+def test_warm_start_and_resume(ray_session, tmp_path, monkeypatch):
     from mbtune.search import resume_search
 
     first = run_search(replay_experiment(tmp_path, sampler="tpe", num_samples=3), echo=print)
     assert len(first.rows) == 3
-    # resume the same run with a larger budget: nothing finished is repeated or lost
-    resumed = resume_search(first.run.path)
+    # resume the same run with a larger budget: nothing finished is repeated or lost; the
+    # run directory given as the search printed it, relative to the working directory
+    monkeypatch.chdir(tmp_path)
+    resumed = resume_search(first.run.path.relative_to(tmp_path))
     assert [r["trial_id"] for r in resumed.rows[:3]] == [r["trial_id"] for r in first.rows]
     assert len({r["trial_id"] for r in resumed.rows}) == len(resumed.rows)
     lines = []
