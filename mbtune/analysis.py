@@ -104,6 +104,7 @@ COLUMNS = (
     "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms", "comm_time_ms",
     "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s", "objective",
     "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note", "finished_at",
+    "node_id",
 )  # fmt: skip
 """The columns of :func:`load_run`, in order (a newer trials.csv may add more after)."""
 

@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--address",
         metavar="ADDRESS",
-        help="join an existing Ray cluster ('auto' or ray://host:port) instead of starting "
-        "an embedded one",
+        help="join an existing Ray cluster ('auto', or HOST:PORT of its head) instead of "
+        "starting an embedded one",
     )
     run.add_argument(
         "--dashboard",

@@ -243,7 +243,8 @@ class TrialConfig:
 @dataclass(frozen=True, kw_only=True)
 class RayConfig:
     address: str | None = None
-    """None: start an embedded local Ray; ``auto`` or ``ray://host:port``: join a cluster."""
+    """None: start an embedded local Ray (or join RAY_ADDRESS, as ray.init does); ``auto``
+    or ``host:port`` (the head's GCS port): join a cluster. ``ray://`` is refused."""
     dashboard: bool = False
     cpus_per_trial: float = 1.0
     """CPUs of one trial. With ``trial.parallel: ddp``: of each of its num_devices workers

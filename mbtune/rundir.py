@@ -32,9 +32,10 @@ TRIAL_COLUMNS = (
     "samples_per_s_per_device", "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr",
     "compute_time_ms", "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes",
     "eval_samples_per_s", "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s",
-    "reason", "note", "finished_at",
+    "reason", "note", "finished_at", "node_id",
 )  # fmt: skip
-"""The columns of trials.csv (times in ms unless named _s; memory in bytes)."""
+"""The columns of trials.csv (times in ms unless named _s; memory in bytes; node_id: the
+Ray node that measured the trial)."""
 
 
 class RunDir:
@@ -94,8 +95,11 @@ class RunDir:
         if self.trials_file.exists():
             _drop_torn_line(self.trials_file)
         new = not self.trials_file.exists() or self.trials_file.stat().st_size == 0
+        # a run begun by an older mbtune (resumed) keeps its own columns: a row never
+        # holds more fields than the header it is read with
+        columns = TRIAL_COLUMNS if new else self._header() or TRIAL_COLUMNS
         text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow({k: _cell(v) for k, v in row.items()})
@@ -105,6 +109,10 @@ class RunDir:
             os.fsync(f.fileno())
         if new:
             _fsync_dir(self.path)
+
+    def _header(self) -> tuple[str, ...]:
+        with self.trials_file.open(newline="", encoding="utf-8") as f:
+            return tuple(next(csv.reader(f), ()))
 
     def trials(self) -> list[dict[str, str]]:
         """Every finished trial so far (also from a run that was interrupted or killed)."""

@@ -10,11 +10,12 @@ process per device, are that trial's own (see mbtune.ddp).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import ray
 from ray import tune
 from ray.tune import Callback
 
+from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -69,14 +71,15 @@ def run_search(
     dashboard: bool | None = None,
     verbose: bool = False,
     warm_start: str | Path | None = None,
-    echo: Any = print,
+    echo: Any = None,
 ) -> SearchOutcome:
     """Search ``exp``'s space and return what was measured; writes a run directory."""
     from mbtune.searchers import make_searcher
 
+    echo = echo or _echo
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
-    _start_ray(exp, address, dashboard, verbose, echo)
+    cluster = _start_ray(exp, address, dashboard, verbose, echo)
     run = RunDir.create(exp.output_dir, exp.name)
     run.write_experiment(exp.to_dict())
     s = exp.search
@@ -118,7 +121,7 @@ def run_search(
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    return _fit(tuner, run, exp, reporter, echo)
+    return _fit(tuner, run, exp, reporter, echo, cluster)
 
 
 def resume_search(
@@ -133,26 +136,36 @@ def resume_search(
 
     run = RunDir.open(path, flag="--resume")
     exp = load_experiment(run.experiment_file)
-    state = run.path / RAY_DIR
+    state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
-    _start_ray(exp, address, dashboard, verbose, print)
-    print(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    cluster = _start_ray(exp, address, dashboard, verbose, _echo)
+    _echo(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
     reporter = _reporter_for(exp, search_points(exp), run)
     # the callbacks and the stopper come back with Ray's saved state; they keep theirs
     # in the run directory
     tuner = tune.Tuner.restore(
         str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
     )
-    return _fit(tuner, run, exp, reporter, print)
+    return _fit(tuner, run, exp, reporter, _echo, cluster)
 
 
 RAY_DIR = "ray"
 """Ray Tune's own experiment state, inside the run directory."""
 
 
-def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any) -> SearchOutcome:
-    with _graceful_stop() as interrupted:
+def _echo(line: str) -> None:
+    """Print one line now. Not ``print`` itself: Tune pickles the callbacks with its
+    experiment state, and once Ray has replaced ``builtins.print`` (it does to show worker
+    output, on a cluster or with --verbose) the original no longer pickles."""
+    print(line, flush=True)
+
+
+def _fit(
+    tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any, cluster: str | None
+) -> SearchOutcome:
+    lost = functools.partial(_head_lost, cluster, run, reporter)
+    with _graceful_stop() as interrupted, watch_head(cluster, lost):
         tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
@@ -168,6 +181,31 @@ def _fit(tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any
     outcome = SearchOutcome(run, rows, summary)
     _print_summary(outcome, echo)
     return outcome
+
+
+_LEDGER = threading.Lock()
+"""Held while a finished trial is written, so that a search ended by a lost head never
+leaves one half-written."""
+
+
+def _head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) -> None:
+    """The cluster's head went away: Tune's loop waits on it and cannot return. Every
+    finished trial is in trials.csv already; write the summary (interrupted, and why), say
+    so in one line and exit. The trial in flight was not measured: --resume runs it."""
+    with _LEDGER:  # no row is being written now, and none will be
+        rows = run.trials()
+        summary = reporter.summary(rows, "interrupted", run.recommendations())
+        summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
+        run.write_json("summary.json", summary)
+        sys.stdout.flush()
+        print(
+            f"mbtune: error: the Ray cluster's head node ({cluster}) has not answered for "
+            f"{silent_s:.0f} s; {run.trials_file} holds the {len(rows)} finished trial(s); "
+            f"continue with: mbtune run --resume {run.path} (and --address of a cluster)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CLUSTER_LOST)  # Tune's loop waits on the dead cluster: it cannot return
 
 
 @contextlib.contextmanager
@@ -213,12 +251,24 @@ def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Re
 
 def _start_ray(
     exp: Experiment, address: str | None, dashboard: bool | None, verbose: bool, echo: Any
-) -> None:
+) -> str | None:
+    """Start or join Ray; the cluster's GCS address once joined, None for an embedded Ray."""
     address = address if address is not None else exp.ray.address
     dashboard = dashboard if dashboard is not None else exp.ray.dashboard
-    _init_ray(address, dashboard, verbose)
-    if dashboard and not address:
-        echo(f"mbtune dashboard: http://{ray.get_runtime_context().dashboard_url}")
+    started = init_ray(address, dashboard, verbose)
+    if started is None:
+        return None  # the caller's own Ray (the tests' session Ray): theirs to show
+    cluster, url = started
+    if cluster is not None:
+        echo(f"mbtune: joined the Ray cluster at {cluster}: {cluster_size()}")
+        if dashboard and url:  # the cluster's own: where it listens is the cluster's say
+            echo(f"mbtune dashboard (the cluster's): http://{url}")
+        elif dashboard:
+            echo("mbtune: the cluster runs no dashboard (ray start --head --include-dashboard)")
+    elif dashboard:
+        echo(f"mbtune dashboard: http://{url}{token_note()}" if url else
+             "mbtune: Ray did not start its dashboard (see --verbose)")  # fmt: skip
+    return cluster
 
 
 def _trainable_for(exp: Experiment) -> Any:
@@ -269,52 +319,6 @@ def _optuna_storage(run: RunDir) -> Any:
     return optuna.storages.RDBStorage(run.optuna_url)
 
 
-def _init_ray(address: str | None, dashboard: bool, verbose: bool) -> None:
-    if address and address != "auto":
-        _check_reachable(address)
-    # Ray replaces builtins.print the first time it shows a message from the cluster (a
-    # worker that died), also in a Ray started before; Tune then cannot save its state,
-    # which holds the callback's print
-    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
-    if ray.is_initialized():
-        return
-    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    try:
-        if address:
-            ray.init(address=address, **quiet)
-        else:
-            ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        where = address or "an embedded local Ray"
-        raise MbtuneError(f"--address: cannot start or reach {where}: {_first_line(e)}") from None
-
-
-def _check_reachable(address: str) -> None:
-    """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port)."""
-    import socket
-
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
-    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
-        raise MbtuneError(
-            f"--address: {address!r} is not 'auto', host:port or ray://host:port "
-            "(a port from 1 to 65535)"
-        )
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except (OSError, ValueError) as e:  # ValueError: a host name IDNA cannot encode
-        raise MbtuneError(
-            f"--address: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
-            "start a cluster with `ray start --head`, or leave out --address for an embedded Ray"
-        ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 # ---------------------------------------------------------------------------
 # one trial, inside a Ray actor
 
@@ -323,7 +327,7 @@ def _trainable(
     config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
 ) -> None:
     """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
-    measured to Tune."""
+    measured, and where, to Tune."""
     from mbtune.searchers import pack_result
 
     batch = BatchConfig.from_mapping(config)
@@ -331,7 +335,7 @@ def _trainable(
         result = measure_with_ray_train(experiment, batch, cwd=cwd)
     else:
         result = measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)
-    tune.report(pack_result(result))
+    tune.report(pack_result({**result, "node_id": ray.get_runtime_context().get_node_id()}))
 
 
 def measure_with_ray_train(
@@ -370,6 +374,10 @@ def measure_in_subprocess(
     except subprocess.TimeoutExpired:
         reason = f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
         return {**base, "status": "timeout", "reason": reason,
+                "wall_s": time.perf_counter() - started}  # fmt: skip
+    except OSError as e:  # on a cluster: the driver's directory is missing on this node
+        reason = f"cannot start the trial process in {cwd} on {socket.gethostname()}: {e}"
+        return {**base, "status": "error", "reason": reason,
                 "wall_s": time.perf_counter() - started}  # fmt: skip
     result = _last_json_object(proc.stdout) if proc.returncode == 0 else None
     if result is not None:
@@ -428,25 +436,55 @@ class TrialLog(Callback):
         self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
 
     def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
+        with _LEDGER:  # a finished trial is written whole (row, recommendation) or not at all
+            row = self._record(trial, result, crashed)
+            if row is None:
+                return
+            self.echo(_trial_line(row))
+            rec = self.reporter.update(self.run.trials(), self.run.recommendations())
+            if rec is not None:
+                self.run.append_recommendation(rec.record())
+                self.confidence = rec.confidence
+                self.echo(rec.line())
+
+    def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
         finished = self.run.trials()
         if any(r.get("trial_id") == trial.trial_id for r in finished):
-            return  # recorded before an interruption; Ray's state had not caught up
+            return None  # recorded before an interruption; Ray's state had not caught up
         row: dict[str, Any] = {
             **BatchConfig.from_mapping(trial.config).sizes(),
             "status": "error",
-            "reason": "the trial actor failed" if crashed else "no result",
+            "reason": "no result",
         }
+        if crashed and result is None:
+            row["reason"], row["node_id"] = _actor_failure(trial)
         row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
         row["trial"] = len(finished) + 1
         row["trial_id"] = trial.trial_id
         row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         self.run.append_trial(row)
-        self.echo(_trial_line(row))
-        rec = self.reporter.update(self.run.trials(), self.run.recommendations())
-        if rec is not None:
-            self.run.append_recommendation(rec.record())
-            self.confidence = rec.confidence
-            self.echo(rec.line())
+        return row
+
+
+def _actor_failure(trial: Any) -> tuple[str, str | None]:
+    """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
+    the error Tune recorded; and the node that ran it, where the cluster still knows."""
+    path = getattr(trial, "error_file", None)
+    try:
+        text = Path(path).read_text(errors="replace") if path else ""
+    except OSError:
+        text = ""
+    last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
+    words = " ".join(line.strip() for line in last if line.strip())
+    reason = "the trial actor failed" + (f": {words[:300]}" if words else "")
+    node = None
+    actor = re.search(r"\b[Aa]ctor ([0-9a-f]{32})\b", words)
+    if actor:
+        try:
+            node = ray._private.state.actors(actor.group(1))["Address"]["NodeID"] or None
+        except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
+            node = None
+    return reason, node
 
 
 class ConfidenceStop(tune.Stopper):

@@ -176,3 +176,26 @@ def test_a_search_records_every_fault_and_keeps_every_other_result(
     assert sorted(int(r["micro_batch_size"]) for r in outcome.best()) == [1, 32]
     assert sum(" trial " in line for line in lines) == 6
     assert any("6 trials finished (4 not ok)" in line for line in lines)
+
+
+def test_a_lost_trial_actor_is_recorded_with_rays_reason(tmp_path):
+    error = tmp_path / "error.txt"  # as Tune writes it: a header per failure, then Ray's text
+    error.write_text(
+        "Failure # 1 (occurred at 2026-11-21_08-07-01)\nan earlier failure\n"
+        "Failure # 2 (occurred at 2026-11-21_08-07-03)\n"
+        "The actor 8ac02ba9aef765879adb380b01000000 is unavailable: The actor is temporarily\n"
+        "\tunavailable: RpcError: Socket closed rpc_code: 14.\n"
+    )
+    run = RunDir.create(tmp_path, "x")
+    lines = []
+    log = TrialLog(run, lines.append, Reporter([BatchConfig(32, 1, 4)]))
+    config = {"batch_size": 32, "num_devices": 1, "micro_batch_size": 4}
+    trial = SimpleNamespace(trial_id="abc_00001", error_file=str(error), config=config)
+    log.on_trial_error(0, [], trial)
+    [row] = run.trials()
+    assert (row["status"], row["reason"]) == (
+        "error",
+        "the trial actor failed: The actor 8ac02ba9aef765879adb380b01000000 is unavailable: "
+        "The actor is temporarily unavailable: RpcError: Socket closed rpc_code: 14.",
+    )
+    assert row["node_id"] == ""  # no Ray here to ask where the actor ran

@@ -432,14 +432,14 @@ def test_errors_are_one_printable_line(workdir):
 @pytest.mark.parametrize(
     ("address", "match"),
     [
-        ("h:99999", r"is not 'auto', host:port or ray://host:port \(a port from 1 to 65535\)"),
-        ("h:²", r"is not 'auto', host:port"),  # int("²") raised ValueError
+        ("h:99999", r"is not 'auto' or host:port \(a port from 1 to 65535\)"),
+        ("h:²", r"is not 'auto' or host:port"),  # int("²") raised ValueError
         ("a..b:1", r"nothing answers at a\.\.b:1 \(encoding with 'idna' codec failed"),
         ("x" * 300 + ":1", r"nothing answers at x+:1"),  # UnicodeError: label too long
     ],
 )
 def test_a_hostile_address_is_a_clean_error(address, match):
-    from mbtune.search import _check_reachable
+    from mbtune.cluster import check_reachable
 
     with pytest.raises(MbtuneError, match=match):
-        _check_reachable(address)
+        check_reachable(address)

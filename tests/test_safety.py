@@ -65,28 +65,34 @@ def test_a_python_tag_is_an_error_and_runs_nothing(tmp_path, where):
 
 @pytest.fixture
 def ray_init(monkeypatch):
-    """ray.init replaced by a recorder, as if no Ray were running yet."""
+    """ray.init replaced by a recorder, as if no Ray were running yet. Like Ray's, it
+    returns a context whose address_info holds the dashboard's host:port (the host it was
+    asked to bind), and none without a dashboard."""
     import ray
 
     calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        url = f"{kwargs['dashboard_host']}:8265" if kwargs.get("include_dashboard") else None
+        return SimpleNamespace(address_info={"webui_url": url})
+
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(
-        ray,
-        "get_runtime_context",
-        lambda: SimpleNamespace(dashboard_url=f"{calls[-1]['dashboard_host']}:8265"),
-    )
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setenv("RAY_AIR_NEW_OUTPUT", "0")
     return calls
 
 
-def test_the_dashboard_binds_to_loopback(ray_init):
-    from mbtune.search import _init_ray, _start_ray
+def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
+    from mbtune.cluster import init_ray
+    from mbtune.search import _start_ray
 
-    _init_ray(None, True, False)
+    init_ray(None, True, False)
     assert ray_init[-1]["include_dashboard"] is True
     assert ray_init[-1]["dashboard_host"] == "127.0.0.1"
-    _init_ray(None, False, False)
+    init_ray(None, False, False)
     assert ray_init[-1]["include_dashboard"] is False
     # ray.dashboard: true in the experiment (as --dashboard) starts it on loopback too
     exp = parse_experiment({**yaml.safe_load(VALID), "ray": {"dashboard": True}})
@@ -95,13 +101,25 @@ def test_the_dashboard_binds_to_loopback(ray_init):
     assert ray_init[-1]["include_dashboard"] is True
     assert ray_init[-1]["dashboard_host"] == "127.0.0.1"
     assert lines == ["mbtune dashboard: http://127.0.0.1:8265"]
+    # a Ray with token authentication (its default for the local Ray it starts): say how
+    # to open the dashboard
+    lines.clear()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as ray.init sets it
+    _start_ray(exp, None, None, False, lines.append)
+    assert lines == [
+        "mbtune dashboard: http://127.0.0.1:8265 (it asks for Ray's token: "
+        "`ray get-auth-token` prints it)"
+    ]
 
 
-def test_a_cluster_keeps_its_own_dashboard_settings(ray_init):
-    from mbtune.search import _init_ray
+def test_a_cluster_keeps_its_own_dashboard_settings(ray_init, monkeypatch):
+    import ray
 
+    from mbtune.cluster import init_ray
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="h:1"))
     # joining a cluster (--address) opens nothing: its dashboard is the cluster's own
-    _init_ray("auto", True, False)
+    init_ray("auto", True, False)
     assert ray_init[-1]["address"] == "auto"
     assert "include_dashboard" not in ray_init[-1] and "dashboard_host" not in ray_init[-1]
 

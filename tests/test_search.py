@@ -147,13 +147,15 @@ def test_the_trial_process_reports_json(tmp_path):
 
 
 @pytest.mark.ray
-def test_warm_start_and_resume(ray_session, tmp_path):
+def test_warm_start_and_resume(ray_session, tmp_path, monkeypatch):
     from mbtune.search import resume_search
 
     first = run_search(replay_experiment(tmp_path, sampler="tpe", num_samples=3), echo=print)
     assert len(first.rows) == 3
-    # resume the same run with a larger budget: nothing finished is repeated or lost
-    resumed = resume_search(first.run.path)
+    # resume the same run with a larger budget: nothing finished is repeated or lost; the
+    # run directory given as the search printed it, relative to the working directory
+    monkeypatch.chdir(tmp_path)
+    resumed = resume_search(first.run.path.relative_to(tmp_path))
     assert [r["trial_id"] for r in resumed.rows[:3]] == [r["trial_id"] for r in first.rows]
     assert len({r["trial_id"] for r in resumed.rows}) == len(resumed.rows)
     lines = []
@@ -194,3 +196,50 @@ def test_a_row_cut_short_by_a_killed_driver_is_skipped_and_not_glued_to_the_next
     assert [r["trial_id"] for r in run.trials()] == ["a"]
     run.append_trial({**row, "trial": 2, "trial_id": "c"})
     assert [r["trial_id"] for r in run.trials()] == ["a", "c"]
+
+
+def test_a_run_begun_by_an_older_mbtune_keeps_its_columns(tmp_path):
+    from mbtune.rundir import TRIAL_COLUMNS, RunDir
+
+    run = RunDir.create(tmp_path, "old")
+    older = [c for c in TRIAL_COLUMNS if c != "node_id"]  # before trials recorded their node
+    first = {"trial": "1", "trial_id": "a", "status": "ok", "batch_size": "32",
+             "num_devices": "1", "micro_batch_size": "4"}  # fmt: skip
+    run.trials_file.write_text(
+        ",".join(older) + "\r\n" + ",".join(first.get(c, "") for c in older) + "\r\n"
+    )
+    run.append_trial({**first, "trial": 2, "trial_id": "b", "node_id": "f" * 56})  # resumed
+    rows = run.trials()
+    assert [r["trial_id"] for r in rows] == ["a", "b"]  # the new row is read, not dropped
+    assert list(rows[1]) == older
+
+
+def test_a_trial_whose_directory_is_missing_on_its_node_is_a_recorded_error(tmp_path):
+    exp = replay_experiment(tmp_path)
+    missing = tmp_path / "not-on-this-node"
+    result = measure_in_subprocess(
+        exp.to_dict(), BatchConfig(32, 2, 8), cwd=str(missing), timeout_s=30
+    )
+    assert result["status"] == "error" and result["objective"] == 0.0
+    assert result["reason"].startswith(f"cannot start the trial process in {missing} on ")
+
+
+def test_the_callbacks_still_pickle_once_ray_has_replaced_print(tmp_path, monkeypatch):
+    """Tune pickles its callbacks with the experiment state; Ray replaces builtins.print to
+    show worker output (on a cluster, with --verbose). The search's own echo still pickles."""
+    import builtins
+    import pickle
+
+    from ray import cloudpickle
+
+    from mbtune.reporter import Reporter
+    from mbtune.rundir import RunDir
+    from mbtune.search import ConfidenceStop, TrialLog, _echo
+
+    original = builtins.print
+    monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: None)  # as Ray's tqdm does
+    log = TrialLog(RunDir.create(tmp_path, "x"), _echo, Reporter([BatchConfig(32, 1, 4)]))
+    restored = cloudpickle.loads(cloudpickle.dumps(ConfidenceStop(log, 90)))
+    assert restored.log.echo is _echo and restored.target == 90
+    with pytest.raises(pickle.PicklingError, match="not the same object as builtins.print"):
+        cloudpickle.dumps(original)  # what the search held before: its state was not saved
