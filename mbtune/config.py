@@ -54,6 +54,12 @@ OBJECTIVES = ("samples_per_s", "samples_per_s_per_device")
 BACKENDS = ("torch", "replay")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("simulate", "ddp")
+
+LINKS = {"cpu": (1_850_000_000, 210.0), "cuda": (25 * 10**9, 10.0)}
+"""The modelled all-reduce's link (bytes/s, latency per hop in microseconds) when the
+experiment sets none. cpu: gloo between two processes on one host, fitted to measured
+all-reduces (bench/allreduce_model.py, docs/benchmarks.md); cuda: one link of a GPU
+interconnect (not measured: no GPU was at hand)."""
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ON_OOM = ("fail", "halve")
 BUILTIN_MODELS = ("gpt", "mlp", "cnn_bn")
@@ -232,10 +238,22 @@ class TrialConfig:
     """Memory budget per device in bytes (YAML: ``8GiB``, ``512MB`` or bytes); above it: oom."""
     on_oom: str = "fail"
     """``fail`` (record oom) or ``halve`` (Composer: halve the micro-batch and retry)."""
-    link_bandwidth: int = 25 * 10**9
-    """Bytes/s of one link of the modelled ring all-reduce (YAML: ``25GB`` or bytes)."""
-    link_latency_us: float = 10.0
-    """Latency of one hop of the modelled ring all-reduce, in microseconds."""
+    link_bandwidth: int | None = None
+    """Bytes/s of one link of the modelled ring all-reduce (YAML: ``25GB`` or bytes);
+    None: :data:`LINKS` for the trial's device."""
+    link_latency_us: float | None = None
+    """Latency of one hop of the modelled ring all-reduce, in microseconds; None:
+    :data:`LINKS` for the trial's device."""
+
+    def link(self, device_type: str) -> tuple[int, float]:
+        """(bytes/s, latency in seconds) of the modelled link for a ``cpu`` or ``cuda`` trial."""
+        bandwidth, latency_us = LINKS["cuda" if device_type == "cuda" else "cpu"]
+        if self.link_bandwidth is not None:
+            bandwidth = self.link_bandwidth
+        if self.link_latency_us is not None:
+            latency_us = self.link_latency_us
+        return bandwidth, latency_us * 1e-6
+
     timeout_s: float = 600.0
     """A trial still running after this many seconds is stopped and recorded as timeout."""
 
@@ -689,6 +707,7 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
     sec = _Section(raw, "trial", _field_names(TrialConfig))
     table = sec.path("table", default=None)
     memory = sec.get("device_memory", default=None)
+    bandwidth = sec.get("link_bandwidth", default=None)
     return TrialConfig(
         backend=sec.choice("backend", BACKENDS, default="torch"),
         table=_resolve(base / table, "trial.table") if table is not None else None,
@@ -703,10 +722,10 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
         eval=sec.bool("eval", default=False),
         device_memory=parse_memory(memory, "trial.device_memory") if memory is not None else None,
         on_oom=sec.choice("on_oom", ON_OOM, default="fail"),
-        link_bandwidth=parse_memory(
-            sec.get("link_bandwidth", default=25 * 10**9), "trial.link_bandwidth"
-        ),
-        link_latency_us=sec.float("link_latency_us", default=10.0, minimum=0.0),
+        link_bandwidth=parse_memory(bandwidth, "trial.link_bandwidth")
+        if bandwidth is not None
+        else None,
+        link_latency_us=sec.float("link_latency_us", default=None, minimum=0.0),
         timeout_s=sec.float("timeout_s", default=600.0, minimum=1.0),
     )
 

@@ -279,9 +279,7 @@ def _timed_steps(
     peak = _peak_memory(torch, device)
 
     p = max(1, exp.train_input.pipeline_stages)
-    comm = ring_allreduce_s(
-        grad_bytes // p, config.num_devices, tr.link_bandwidth, tr.link_latency_us * 1e-6
-    )
+    comm = ring_allreduce_s(grad_bytes // p, config.num_devices, *tr.link(device.type))
     # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and the
     # p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
     bubble_share = lattice.bubble_fraction(p, config.grad_accum_steps)

@@ -104,6 +104,23 @@ def test_defaults():
     assert [c.micro_batch_size for c in exp.configs()] == [1, 2, 4, 8, 16, 32]
 
 
+def test_the_modelled_link_defaults_to_the_trial_device_and_each_part_can_be_set():
+    from mbtune.config import LINKS
+
+    default = make().trial
+    assert default.link("cpu") == (LINKS["cpu"][0], LINKS["cpu"][1] * 1e-6)
+    assert default.link("cuda") == (LINKS["cuda"][0], LINKS["cuda"][1] * 1e-6)
+    assert LINKS["cpu"] != LINKS["cuda"]
+    bandwidth_only = make(trial={"link_bandwidth": "1GB"}).trial
+    assert bandwidth_only.link("cuda") == (10**9, LINKS["cuda"][1] * 1e-6)
+    both = make(trial={"link_bandwidth": "1GB", "link_latency_us": 50}).trial
+    assert both.link("cpu") == (10**9, pytest.approx(50e-6))
+    assert (
+        parse_experiment(make(trial={"link_latency_us": 50}).to_dict()).trial
+        == make(trial={"link_latency_us": 50}).trial
+    )  # the run directory's experiment.yaml keeps "not set" as not set
+
+
 def test_num_csx_is_an_alias_of_num_devices():
     exp = make(train_input={"batch_size": 64, "num_csx": 4})
     assert exp.train_input.num_devices == 4
