@@ -62,6 +62,7 @@ from mbtune.trial import (
     _reset_peak,
     _with_step_times,
     accumulate_gradients,
+    full_batch_if_mixing,
     resolve_device,
     split_batch,
 )
@@ -409,13 +410,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
 
     # 1. build the model, its optimizer and this rank's data (local: a failure is agreed on)
     spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
-    note = None
-    if spec.mixes_batch and config.grad_accum_steps > 1:
-        note = (
-            f"{spec.mixes_batch}; measured at micro_batch_size {config.per_device_batch} "
-            "(no accumulation) instead"
-        )
-        config = BatchConfig(config.batch_size, config.num_devices, config.per_device_batch)
+    config, note = full_batch_if_mixing(spec, config)
     out: dict[str, Any] = {
         "status": "ok", "reason": None, "note": note, "micro_batch_size":
         config.micro_batch_size, "device": device.type, "first_s": 0.0, "step_s": [],

@@ -179,13 +179,7 @@ def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
     tr = exp.trial
     device = resolve_device(tr.device)
     spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
-    note = None
-    if spec.mixes_batch and config.grad_accum_steps > 1:
-        note = (
-            f"{spec.mixes_batch}; measured at micro_batch_size {config.per_device_batch} "
-            "(no accumulation) instead"
-        )
-        config = BatchConfig(config.batch_size, config.num_devices, config.per_device_batch)
+    config, note = full_batch_if_mixing(spec, config)
     base = _base_result(exp, config, device=str(device), note=note)
     try:
         return _timed_steps(exp, config, spec, device, base)
@@ -196,6 +190,18 @@ def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
         return dataclasses.replace(base, status="error", reason=_one_line(exc))
     finally:
         _release(torch, device)
+
+
+def full_batch_if_mixing(spec: Any, config: BatchConfig) -> tuple[BatchConfig, str | None]:
+    """A model that mixes the samples of a batch (BatchNorm) is measured at m = P: its
+    gradient depends on the micro-batch, so accumulation would train another model."""
+    if not spec.mixes_batch or config.grad_accum_steps == 1:
+        return config, None
+    note = (
+        f"{spec.mixes_batch}; measured at micro_batch_size {config.per_device_batch} "
+        "(no accumulation) instead"
+    )
+    return BatchConfig(config.batch_size, config.num_devices, config.per_device_batch), note
 
 
 def split_batch(data: tuple[Any, ...], sizes: list[int]) -> list[tuple[Any, ...]]:
