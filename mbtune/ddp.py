@@ -62,6 +62,7 @@ from mbtune.trial import (
     _reset_peak,
     _with_step_times,
     accumulate_gradients,
+    device_timer,
     full_batch_if_mixing,
     resolve_device,
     split_batch,
@@ -442,16 +443,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
     )
     model = _compile(ddp, tr) if tr.compile else ddp
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def timed(fn: Callable[[], None]) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
+    timed = device_timer(torch, device)
 
     def local_step(*, keep_weights: bool = False) -> None:
         with ddp.no_sync():

@@ -246,7 +246,6 @@ def _timed_steps(
     import torch
 
     tr = exp.trial
-    cuda = device.type == "cuda"
     torch.manual_seed(exp.search.seed)
     module = spec.module.to(device)
     module.train()
@@ -259,21 +258,12 @@ def _timed_steps(
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
     def step() -> None:
         accumulate_gradients(spec.loss_fn, model, batches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def timed(fn: Callable[[], None]) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
+    timed = device_timer(torch, device)
 
     with _fallback_watch() as fallback:
         first = timed(step)  # compiles every micro-batch shape of this split
@@ -308,6 +298,24 @@ def _timed_steps(
         peak_memory_bytes=peak,
         eval_samples_per_s=config.batch_size / eval_s if eval_s else None,
     )
+
+
+def device_timer(torch: Any, device: Any) -> Callable[[Callable[[], None]], float]:
+    """A function that runs ``fn`` and returns its wall time, the device synchronised
+    before and after (CUDA runs asynchronously)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return timed
 
 
 def _eval_time(loss_fn: Callable, model: Any, batches: list[Any], timed: Callable) -> float:
