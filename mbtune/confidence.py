@@ -13,7 +13,8 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    run-to-run drift one trial cannot see (``noise_floor``).
 3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B) is a
    Gaussian process: a constant, a linear trend (throughput scales with devices and
-   saturates with m) and a smooth Matern-5/2 deviation from it. Its two shape
+   saturates with m), a curvature in n (communication can make fewer devices faster) and
+   a smooth Matern-5/2 deviation from them. Its two shape
    hyperparameters (length scale, amplitude) are not fixed but averaged over a grid,
    each weighted by how well it explains the measurements (Bayesian model averaging):
    with few measurements many shapes remain possible, and the score stays low.
