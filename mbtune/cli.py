@@ -251,7 +251,8 @@ def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
         ),
         (
             "trial",
-            f"{measure}; {tr.warmup_steps} warm-up + {tr.measure_steps} timed steps, memory "
+            f"{measure}; {tr.warmup_steps} warm-up + {tr.measure_steps} timed steps, "
+            f"{exp.cpu_threads} CPU thread(s), memory "
             f"{memory}, timeout {tr.timeout_s:g} s",
         ),
         ("ray", exp.ray.address or "embedded local Ray"),

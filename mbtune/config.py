@@ -340,6 +340,13 @@ class Experiment:
             )
 
     @property
+    def cpu_threads(self) -> int:
+        """The threads one trial (one ddp worker) computes with: the whole CPUs it holds,
+        ``ray.cpus_per_trial``, at least one (Ray's rule for OMP_NUM_THREADS), also in
+        `mbtune trial`, so that it measures what a search measures."""
+        return max(1, int(self.ray.cpus_per_trial))
+
+    @property
     def noise_floor(self) -> float:
         """``search.noise_floor``, resolved for the backend (see SearchConfig)."""
         if self.search.noise_floor is not None:

@@ -405,6 +405,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
     from mbtune.models import build_model
 
     tr = exp.trial
+    torch.set_num_threads(exp.cpu_threads)  # as a simulated trial: the CPUs it holds
     device = _rank_device(torch, tr.device)
     ranks = _Rank(torch, device)
     cuda = device.type == "cuda"

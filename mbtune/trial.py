@@ -177,6 +177,9 @@ def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
     from mbtune.models import build_model
 
     tr = exp.trial
+    # the CPUs the trial holds, whoever runs it: a search's trial process (Ray sets
+    # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
+    torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(tr.device)
     spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
     config, note = full_batch_if_mixing(spec, config)

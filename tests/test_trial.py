@@ -167,6 +167,40 @@ def test_dynamic_compiles_one_graph_for_every_micro_batch_size():
     assert r.compile_fallback is None
 
 
+THREAD_MODEL = """
+import torch
+import torch.nn as nn
+
+SEEN = []
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+    def forward(self, x):
+        SEEN.append(torch.get_num_threads())
+        return self.lin(x)
+
+def build():
+    return (Counting(), lambda n, device: (torch.randn(n, 4, device=device),),
+            lambda m, b: m(b[0]).pow(2).mean())
+"""
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(3, 3), (0.5, 1), (1.9, 1)])
+def test_a_trial_computes_with_the_cpus_it_holds(tmp_path, monkeypatch, cpus, threads):
+    name = user_module(tmp_path, monkeypatch, f"threads{threads}{int(cpus * 10)}", THREAD_MODEL)
+    exp = parse_experiment({**experiment(model=name).to_dict(), "ray": {"cpus_per_trial": cpus}})
+    before = torch.get_num_threads()
+    try:
+        assert run_trial(exp, BatchConfig(16, 1, 8)).status == "ok"
+    finally:
+        torch.set_num_threads(before)
+    import importlib
+
+    assert set(importlib.import_module(name.split(":")[0]).SEEN) == {threads}
+
+
 # -- out of memory and failures ----------------------------------------------------
 
 FRAGILE_MODEL = """
