@@ -64,6 +64,9 @@ def init_ray(
     # Ray replaces builtins.print the first time it shows a message from the cluster (a
     # worker that died), also in a Ray started before; Tune then cannot save its state
     os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
+    # Tune's default loggers include TensorBoard's, which imports torch into the driver
+    # (2 s) for event files nobody reads; the search adds back the JSON and CSV ones
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return None
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}

@@ -24,6 +24,7 @@ import yaml
 from mbtune import lattice
 from mbtune.errors import MbtuneError
 from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
+from mbtune.model_options import MODEL_OPTIONS, check_options
 
 __all__ = [
     "BACKENDS",
@@ -62,7 +63,7 @@ all-reduces (bench/allreduce_model.py, docs/benchmarks.md); cuda: one link of a 
 interconnect (not measured: no GPU was at hand)."""
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ON_OOM = ("fail", "halve")
-BUILTIN_MODELS = ("gpt", "mlp", "cnn_bn")
+BUILTIN_MODELS = tuple(MODEL_OPTIONS)
 SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
 
@@ -604,8 +605,6 @@ def _parse_model(raw: Any) -> ModelConfig:
     options = {k: v for k, v in sec.data.items() if k != "name"}
     model = ModelConfig(name=name, options=options)
     if model.is_builtin:
-        from mbtune.models import check_options  # imports torch, so only when needed
-
         check_options(name, options)
     return model
 

@@ -18,7 +18,6 @@ the contract and an example.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -28,14 +27,13 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mbtune.errors import MbtuneError
+from mbtune.model_options import MODEL_OPTIONS, ModelError, check_options, did_you_mean
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -66,10 +64,6 @@ _USER_CONTRACT = (
     "scalar mean loss over the samples"
 )
 _USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-
-
-class ModelError(MbtuneError):
-    """A model name, option or user model that cannot be used; the message is one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,27 +310,11 @@ def _build_cnn_bn(*, image_size: int, channels: int, width: int, num_classes: in
 
 
 BUILTIN_MODELS: dict[str, tuple[Callable[..., ModelSpec], Mapping[str, object]]] = {
-    "gpt": (
-        _build_gpt,
-        MappingProxyType(
-            dict(n_layer=2, n_head=4, d_model=128, seq_len=64, vocab_size=512, dropout=0.0)
-        ),
-    ),
-    "mlp": (
-        _build_mlp,
-        MappingProxyType(dict(in_features=256, hidden=512, n_layer=3, num_classes=10)),
-    ),
-    "cnn_bn": (
-        _build_cnn_bn,
-        MappingProxyType(dict(image_size=32, channels=3, width=16, num_classes=10)),
-    ),
+    "gpt": (_build_gpt, MODEL_OPTIONS["gpt"]),
+    "mlp": (_build_mlp, MODEL_OPTIONS["mlp"]),
+    "cnn_bn": (_build_cnn_bn, MODEL_OPTIONS["cnn_bn"]),
 }
 """name -> (builder, default options); builder(**options) -> ModelSpec."""
-
-MODEL_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
-    {name: defaults for name, (_, defaults) in BUILTIN_MODELS.items()}
-)
-"""For each built-in model, its option names and default values."""
 
 
 # -----------------------------------------------------------------------------
@@ -358,7 +336,7 @@ def build_model(name: str, options: Mapping[str, object], *, seed: int = 0) -> M
         return builder(**kwargs)
     if ":" in name:
         return _build_user_model(name, options, seed=seed)
-    hint = _did_you_mean(name, BUILTIN_MODELS)
+    hint = did_you_mean(name, BUILTIN_MODELS)
     raise ModelError(f"model.name: unknown model {name!r}; {_valid_names()}{hint}")
 
 
@@ -417,57 +395,9 @@ def _valid_names() -> str:
     return f"valid: {', '.join(BUILTIN_MODELS)}, or package.module:function"
 
 
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _one_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
-    """A built-in model's defaults overlaid with `options`, each checked (ModelError)."""
-    defaults = MODEL_OPTIONS[name]
-    checked = dict(defaults)
-    for key, value in options.items():
-        if key not in defaults:
-            raise ModelError(
-                f"model.{key}: unknown option for model {name!r}; valid: "
-                f"{', '.join(defaults)}{_did_you_mean(str(key), defaults)}"
-            )
-        default = defaults[key]
-        if isinstance(default, float):
-            # a probability; an int 0 is fine, a bool never is
-            ok = (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and 0.0 <= value < 1.0
-            )
-            if not ok:
-                raise ModelError(
-                    f"model.{key}: must be a float in [0, 1), got {value!r}; "
-                    f"the default is {default!r}"
-                )
-            checked[key] = float(value)
-        else:
-            # a size: bool is an int to Python, but `n_layer: true` is a mistake
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelError(
-                    f"model.{key}: must be a positive integer, got {value!r}; "
-                    f"the default is {default!r}"
-                )
-            checked[key] = value
-    if name == "gpt" and checked["d_model"] % checked["n_head"]:
-        d_model, n_head = checked["d_model"], checked["n_head"]
-        below = d_model - d_model % n_head
-        valid = ", ".join(str(v) for v in (below, below + n_head) if v > 0)
-        raise ModelError(
-            f"model.d_model: must be divisible by model.n_head (d_model={d_model}, "
-            f"n_head={n_head}); valid d_model near {d_model}: {valid}"
-        )
-    return checked
 
 
 def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> ModelSpec:
@@ -494,7 +424,7 @@ def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> Mo
         public = [a for a in dir(py_module) if not a.startswith("_")]
         raise ModelError(
             f"model.name: module {module_name!r} has no attribute {function_name!r}"
-            f"{_did_you_mean(function_name, public)}; {_USER_CONTRACT}"
+            f"{did_you_mean(function_name, public)}; {_USER_CONTRACT}"
         )
     function = getattr(py_module, function_name)
     if not callable(function):
@@ -549,7 +479,7 @@ def _check_user_options(name: str, function: Callable, options: dict[str, object
         if key not in accepted:
             raise ModelError(
                 f"model.{key}: unknown option for model {name!r}; valid: "
-                f"{', '.join(accepted) or '(none)'}{_did_you_mean(str(key), accepted)}"
+                f"{', '.join(accepted) or '(none)'}{did_you_mean(str(key), accepted)}"
             )
 
 

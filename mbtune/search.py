@@ -28,6 +28,7 @@ from typing import Any
 import ray
 from ray import tune
 from ray.tune import Callback
+from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
 from mbtune.config import Experiment
@@ -116,7 +117,8 @@ def run_search(
             name=RAY_DIR,
             storage_path=str(run.path.resolve()),
             verbose=1 if verbose else 0,
-            callbacks=[log],
+            # Tune's own per-trial result.json and progress.csv (see cluster.init_ray)
+            callbacks=[log, JsonLoggerCallback(), CSVLoggerCallback()],
             stop=ConfidenceStop(log, s.confidence_target),
             failure_config=tune.FailureConfig(max_failures=0),
         ),
