@@ -7,9 +7,17 @@ experiment with `search.sampler=grid` and no confidence stop (every distinct
 configuration once) and compares. With `--save-landscape` the grid run's table becomes
 the measured landscape `bench/landscapes/gpt_cpu.csv` that the search benchmarks replay.
 
-Target: under 3 minutes, and the same recommendation as the exhaustive grid (or one
-within the measurement noise of it, which the report states).
-Run: `.venv/bin/python bench/quickstart.py [--save-landscape]`.
+A referee then settles what "the best" is. On this shared machine a single measurement
+of a configuration can be 30 % slow (another tenant, for a few seconds), so one grid run
+is not the truth: two grid runs have disagreed on their best. The recommendation and
+the grid's three best are each measured again ``--referee-rounds`` times (default 5),
+interleaved, each in a fresh `mbtune trial` process after the machine is quiet; the
+median of each is its referee value. The recommendation is right if its referee value
+is within 2 % of the best referee value (the product's own definition of right).
+
+Target: under 3 minutes, and the same recommendation as the exhaustive grid: the same
+configuration, or one the referee finds within 2 % of the best.
+Run: `.venv/bin/python bench/quickstart.py [--save-landscape] [--referee-rounds 5]`.
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import BENCH, MBTUNE, ROOT, machine, save
+from _common import BENCH, MBTUNE, ROOT, cli_trial, machine, save
 
 
 def run(output_dir: str, *overrides: str) -> tuple[float, Path]:
@@ -49,9 +58,20 @@ def key(r: dict[str, str]) -> tuple[int, int, int]:
     return int(r["batch_size"]), int(r["num_devices"]), int(r["micro_batch_size"])
 
 
+def referee(configs: list[tuple[int, int, int]], rounds: int) -> dict[str, list[float]]:
+    """Each configuration measured ``rounds`` times, interleaved, in fresh processes."""
+    speeds: dict[str, list[float]] = {str(c): [] for c in configs}
+    for _ in range(rounds):
+        for b, n, m in configs:
+            sizes = ["--batch-size", str(b), "--num-devices", str(n), "--micro-batch-size", str(m)]
+            speeds[str((b, n, m))].append(cli_trial(sizes)["samples_per_s"])
+    return speeds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--save-landscape", action="store_true")
+    parser.add_argument("--referee-rounds", type=int, default=5)
     args = parser.parse_args()
     info = machine()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
@@ -76,6 +96,13 @@ def main() -> int:
                 writer.writerow([*key(r), r["samples_per_s"], r["peak_memory_bytes"],
                                  r["status"]])  # fmt: skip
 
+    ranked = sorted(grid_speed, key=grid_speed.__getitem__, reverse=True)
+    disputed = list(dict.fromkeys([key(chosen), *ranked[:3]]))
+    speeds = referee(disputed, args.referee_rounds)
+    medians = {c: statistics.median(v) for c, v in speeds.items()}
+    best_median = max(medians.values())
+    right = medians[str(key(chosen))] >= 0.98 * best_median
+
     result = {
         "default_wall_s": wall,
         "default_trials": len(default_rows),
@@ -87,6 +114,12 @@ def main() -> int:
         "grid_best": key(truth),
         "choice_over_grid_best": ratio,
         "same": key(chosen) == key(truth),
+        "referee_samples_per_s": speeds,
+        "referee_median": medians,
+        "referee_best": max(medians, key=medians.__getitem__),
+        "choice_over_referee_best": medians[str(key(chosen))] / best_median,
+        "grid_best_over_referee_best": medians[str(key(truth))] / best_median,
+        "right": right,
     }
     print(json.dumps(result, indent=1))
     save("quickstart", info, result)

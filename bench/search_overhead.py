@@ -8,16 +8,20 @@ fresh process exactly as a search does (`mbtune.search.measure_in_subprocess`), 
 Ray and no Optuna; (3) `mbtune run` with the `grid` sampler over exactly those
 configurations: Ray started embedded, Optuna's storage, every trial in its own process.
 One untimed pass of (1) fills the compile cache first, so every arm compiles from a warm
-cache. Two rounds run interleaved; the faster wall time of each arm is compared. (3)/(2)
+cache. Five rounds (``--rounds``) run the three arms side by side; the ratio is taken
+within each round and the median of those ratios is reported (the machine is shared and
+its speed drifts between rounds more than within one). (3)/(2)
 is the cost of Ray Tune and Optuna; (3)/(1) adds the cost of one process per trial,
 which the trial protocol requires (an OOM or a crash must not take the search down).
 
-Target: at most 1.3x. Run: `.venv/bin/python bench/search_overhead.py`.
+Target: at most 1.3x. Run: `.venv/bin/python bench/search_overhead.py [--rounds 5]`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,17 +82,21 @@ def with_mbtune() -> float:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
     info = machine()
     plain_loop()  # fills the compile cache: every arm below starts warm
-    rounds = [(plain_loop(), subprocess_loop(), with_mbtune()) for _ in range(2)]
-    plain, processes, tuned = (min(r[i] for r in rounds) for i in range(3))
+    rounds = [(plain_loop(), subprocess_loop(), with_mbtune()) for _ in range(args.rounds)]
+    plain, processes, tuned = (statistics.median(r[i] for r in rounds) for i in range(3))
     result = {
         "configurations": len(SIZES),
         "in_process_loop_s": [r[0] for r in rounds],
         "process_per_trial_loop_s": [r[1] for r in rounds],
         "mbtune_run_s": [r[2] for r in rounds],
-        "ray_and_optuna_ratio": tuned / processes,
-        "total_ratio": tuned / plain,
+        "ray_and_optuna_ratio_per_round": [r[2] / r[1] for r in rounds],
+        "ray_and_optuna_ratio": statistics.median(r[2] / r[1] for r in rounds),
+        "total_ratio": statistics.median(r[2] / r[0] for r in rounds),
         "ray_and_optuna_s_per_trial": (tuned - processes) / len(SIZES),
         "process_s_per_trial": (processes - plain) / len(SIZES),
     }
