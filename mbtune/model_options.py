@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 from mbtune.errors import MbtuneError
 
-__all__ = ["MODEL_OPTIONS", "ModelError", "check_options"]
+__all__ = ["MODEL_OPTIONS", "ModelError", "check_options", "did_you_mean"]
 
 
 class ModelError(MbtuneError):
@@ -72,5 +72,6 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
 
 
 def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
