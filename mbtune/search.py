@@ -226,7 +226,12 @@ def _graceful_stop() -> Iterator[list[int]]:
         received.append(signum)
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for its Ctrl-C
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a signal the process was started ignoring (a background job's SIGINT) stays ignored
+    old = {
+        s: signal.signal(s, stop)
+        for s in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(s) is not signal.SIG_IGN
+    }
     was = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT is ours; SIGUSR1 stays Tune's
     try:

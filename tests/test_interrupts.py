@@ -100,6 +100,7 @@ def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
 
     asked = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: asked.append(s))
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:
         with _graceful_stop() as received:
             os.kill(os.getpid(), signal.SIGINT)
@@ -109,5 +110,13 @@ def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.1)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # started in the background, a process ignores SIGINT: so does the search
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with _graceful_stop() as received:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            assert received == [] and asked == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGINT, interrupt)
