@@ -7,9 +7,10 @@ experiment with `search.sampler=grid` and no confidence stop (every distinct
 configuration once) and compares. With `--save-landscape` the grid run's table becomes
 the measured landscape `bench/landscapes/gpt_cpu.csv` that the search benchmarks replay.
 
-A referee then settles what "the best" is. On this shared machine a single measurement
-of a configuration can be 30 % slow (another tenant, for a few seconds), so one grid run
-is not the truth: two grid runs have disagreed on their best. The recommendation and
+A referee then settles what "the best" is. On this shared machine one measurement of a
+configuration is off by 3-4 % typically and by 10-30 % now and then (the machine's speed
+wanders), so one grid run is not the truth: four grid runs split 2-2 on their best
+(bench/search_noise.py). The recommendation and
 the grid's three best are each measured again ``--referee-rounds`` times (default 5),
 interleaved, each in a fresh `mbtune trial` process after the machine is quiet; the
 median of each is its referee value. The recommendation is right if its referee value
