@@ -461,7 +461,7 @@ def _trial(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
-        for line in result_lines(result):
+        for line in result_lines(result, threads=exp.cpu_threads):
             print(line)
     return 0 if result.status == "ok" else 1
 
@@ -500,8 +500,8 @@ def trial_config(
     return config
 
 
-def result_lines(r: Any) -> list[str]:
-    """A trial result, for a person."""
+def result_lines(r: Any, *, threads: int | None = None) -> list[str]:
+    """A trial result, for a person; ``threads``: the CPU threads it computed with."""
     split = (
         "+".join(map(str, r.micro_batches))
         if len(set(r.micro_batches)) > 1
@@ -511,7 +511,7 @@ def result_lines(r: Any) -> list[str]:
         f"batch_size {r.batch_size}, num_devices {r.num_devices}, micro_batch_size "
         f"{r.micro_batch_size}: per device {r.per_device_batch} samples as {split} "
         f"({r.grad_accum_steps} micro-batch{'es' if r.grad_accum_steps > 1 else ''}) on "
-        f"{r.device}",
+        f"{r.device}" + (f" ({threads} CPU thread{'s' if threads > 1 else ''})" if threads else ""),
         f"  status       {r.status}" + (f" ({r.reason})" if r.reason else ""),
     ]
     if r.note:

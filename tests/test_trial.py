@@ -369,7 +369,7 @@ def test_trial_command_prints_a_readable_result(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert out.startswith("batch_size 16, num_devices 1, micro_batch_size 4: per device 16 "
-                          "samples as 4 x 4 (4 micro-batches) on cpu")  # fmt: skip
+                          "samples as 4 x 4 (4 micro-batches) on cpu (1 CPU thread)")  # fmt: skip
     assert "  status       ok" in out and "samples/s" in out
 
 
