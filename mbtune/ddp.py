@@ -89,17 +89,21 @@ EXIT_TIMED_OUT = 124
 def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> TrialResult:
     """Measure ``config`` with ``config.num_devices`` DDP workers of a Ray Train run.
 
-    Starts an embedded Ray (quiet) unless one is running. ``cwd`` is where the workers
-    import a user model from.
+    Starts an embedded Ray (quiet) or joins ``ray.address`` unless Ray is running. ``cwd``
+    is where the workers import a user model from.
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from mbtune.cluster import init_ray
 
     tr = exp.trial
     deadline = time.time() + tr.timeout_s  # from the call: worker start-up counts
     use_gpu = tr.device != "cpu" and exp.ray.gpus_per_trial > 0
     base = _base_result(exp, config, device="cuda" if use_gpu else "cpu", note=None)
-    _init_ray(exp.ray.address)
+    # as a search starts or joins Ray (a quiet embedded one unless ray.address names a
+    # cluster); bad input there is a one-line MbtuneError, ray:// is refused
+    init_ray(exp.ray.address, dashboard=False, verbose=False)
     problem = _resources_problem(exp, config.num_devices)
     if problem:
         return dataclasses.replace(base, status="error", reason=problem)
@@ -141,20 +145,6 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> TrialResul
             f"run did not end within {FIT_GRACE_S:g} s more)",
         )
     return _result(exp, config, outcome.return_value)
-
-
-def _init_ray(address: str | None) -> None:
-    import logging
-
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(
-            address=address,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
 
 
 def _resources_problem(exp: Experiment, workers: int) -> str | None:

@@ -140,6 +140,32 @@ def test_what_ddp_cannot_do_is_one_line_and_exit_2(tmp_path, capsys, sets, messa
     assert re.search(message, err), err
 
 
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("ray://127.0.0.1:1", r"--address: ray://127\.0\.0\.1:1: Ray Client \(ray://\) would run"),
+        ("127.0.0.1:{port}", r"--address: nothing answers at 127\.0\.0\.1:\d+"),
+    ],
+)
+def test_a_ddp_trial_joins_ray_as_a_search_does(tmp_path, capsys, address, message):
+    """`mbtune trial` with ddp starts or joins Ray through the search's own door: a Ray
+    Client address is refused and one where nothing listens fails at once, in one line."""
+    import re
+    import socket
+
+    import yaml
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(BASE))
+    sets = [f"--set=ray.address={address.format(port=port)}"]
+    code = main(["trial", str(tmp_path / "e.yaml"), *sets])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
 def test_a_ddp_trial_holds_no_cpu_of_its_own_its_workers_do():
     exp = parse_experiment({**BASE, "ray": {"cpus_per_trial": 1, "gpus_per_trial": 0}})
     assert trial_resources(exp) == {"cpu": 0, "gpu": 0, "memory": 1}
