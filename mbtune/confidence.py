@@ -285,7 +285,7 @@ class _Mixture:
     def marginals(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The mixture's mean and marginal sd at ``z`` (the variance includes the spread of
         the components' means)."""
-        prior_trend = _TREND_SD**2 * (z**2).sum(axis=1) + _CURVE_SD**2 * z[:, 1] ** 4 + _LEVEL_SD**2
+        prior_trend = _trend(z, z)
         parts = []
         for w, (_, chol, alpha), (amplitude, kzx) in zip(
             self.weights, self.fits, _kernels(z, self.x), strict=True
@@ -321,16 +321,23 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
     global throughput can peak below the most devices (a smooth peak in m is left to the
     deviation term: micro-batch curves saturate, with bumps)."""
     dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
-    base = (
-        _TREND_SD**2 * (a @ b.T)
-        + _CURVE_SD**2 * np.outer(a[:, 1] ** 2, b[:, 1] ** 2)
-        + _LEVEL_SD**2
-    )
+    base = _trend(a[:, None, :], b[None, :, :])
     for length in _LENGTH_SCALES:
         d = dist / length
         matern = (1 + d + d**2 / 3) * np.exp(-d)
         for amplitude in _AMPLITUDES:
             yield amplitude, amplitude**2 * matern + base
+
+
+def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The prior covariance of the trend (constant, slopes, curvature in n) between the
+    points of ``a`` and ``b``, which broadcast against each other: a matrix from
+    ``a[:, None]`` and ``b[None]``, its diagonal from ``a`` and ``a``."""
+    return (
+        _TREND_SD**2 * (a * b).sum(-1)
+        + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
+        + _LEVEL_SD**2
+    )
 
 
 def _cholesky(a: np.ndarray) -> np.ndarray:
