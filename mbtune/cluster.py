@@ -117,8 +117,7 @@ def check_reachable(address: str, *, quiet: bool = True, flag: str = "--address"
     """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port), or
     when the cluster there wants a token this process does not send. ``flag`` names where
     the address came from, in the error."""
-    host, _, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
+    host, port = _host_port(address)
     if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise MbtuneError(
             f"{flag}: {address!r} is not 'auto' or host:port (a port from 1 to 65535)"
@@ -131,6 +130,12 @@ def check_reachable(address: str, *, quiet: bool = True, flag: str = "--address"
             f"start a cluster with `ray start --head`, or {_without(flag)} for an embedded Ray"
         ) from None
     _check_token(address, quiet, flag)
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    """``host:port`` split, an IPv6 host's brackets removed (``[::1]:6379``)."""
+    host, _, port = address.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), port
 
 
 def _without(flag: str) -> str:
@@ -243,9 +248,9 @@ def _head_patience_s() -> float:
 
 
 def _answers(address: str) -> bool:
-    host, _, port = address.rpartition(":")
+    host, port = _host_port(address)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        socket.create_connection((host, int(port)), timeout=2).close()
     except OSError:
         return False
     return True

@@ -64,6 +64,7 @@ from mbtune.trial import (
     accumulate_gradients,
     device_timer,
     full_batch_if_mixing,
+    gradient_bytes,
     resolve_device,
     split_batch,
 )
@@ -484,7 +485,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
         verdict = verdict or ranks.agree(None, over_budget())
         # 5. the all-reduce alone: the gradient's bytes, as one buffer
         if verdict is None:
-            grad_bytes = sum(p.numel() * p.element_size() for p in params)
+            grad_bytes = gradient_bytes(module)
             dtype = params[0].dtype if params else torch.float32
             flat = torch.zeros(grad_bytes // _itemsize(torch, dtype), dtype=dtype, device=device)
             for _ in range(tr.measure_steps):

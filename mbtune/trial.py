@@ -259,7 +259,7 @@ def _timed_steps(
         _mark_batch_dynamic(batches)
     model = _compile(module, tr) if tr.compile else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    grad_bytes = gradient_bytes(module)
 
     def step() -> None:
         accumulate_gradients(spec.loss_fn, model, batches)
@@ -301,6 +301,11 @@ def _timed_steps(
         peak_memory_bytes=peak,
         eval_samples_per_s=config.batch_size / eval_s if eval_s else None,
     )
+
+
+def gradient_bytes(module: Any) -> int:
+    """The bytes one all-reduce of ``module``'s gradients moves (trainable parameters)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def device_timer(torch: Any, device: Any) -> Callable[[Callable[[], None]], float]:
