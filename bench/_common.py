@@ -5,6 +5,7 @@ Each benchmark prints a table and writes its raw figures to bench/results/NAME.j
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import platform
@@ -98,6 +99,24 @@ def cli_trial(args: Sequence[str], env: dict[str, str] | None = None) -> dict[st
     result["loadavg_before"] = load
     result["busy_before"] = busy
     return result
+
+
+def quickstart_run(output_dir: str, *overrides: str, quiet: bool = False) -> tuple[float, Path]:
+    """``mbtune run experiments/quickstart.yaml`` with ``overrides``, its run directory
+    under ``output_dir`` (empty before): the command's wall time and that directory."""
+    sets = [x for o in (f"output_dir={output_dir}", *overrides) for x in ("--set", o)]
+    started = time.perf_counter()
+    subprocess.run([MBTUNE, "run", str(QUICKSTART), *sets], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL if quiet else None)  # fmt: skip
+    wall = time.perf_counter() - started
+    (run_dir,) = [p for p in Path(output_dir).iterdir() if p.is_dir()]
+    return wall, run_dir
+
+
+def trial_rows(run_dir: Path) -> list[dict[str, str]]:
+    """The run's trials.csv, as text."""
+    with (run_dir / "trials.csv").open() as f:
+        return list(csv.DictReader(f))
 
 
 def cv(values: Sequence[float]) -> float:

@@ -27,27 +27,10 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-from _common import BENCH, MBTUNE, ROOT, cli_trial, machine, save
-
-
-def run(output_dir: str, *overrides: str) -> tuple[float, Path]:
-    sets = [x for o in (f"output_dir={output_dir}", *overrides) for x in ("--set", o)]
-    started = time.perf_counter()
-    subprocess.run([MBTUNE, "run", "experiments/quickstart.yaml", *sets], cwd=ROOT, check=True)
-    wall = time.perf_counter() - started
-    (run_dir,) = [p for p in Path(output_dir).iterdir() if p.is_dir()]
-    return wall, run_dir
-
-
-def rows(run_dir: Path) -> list[dict[str, str]]:
-    with (run_dir / "trials.csv").open() as f:
-        return list(csv.DictReader(f))
+from _common import BENCH, cli_trial, machine, quickstart_run, save, trial_rows
 
 
 def best(table: list[dict[str, str]]) -> dict[str, str]:
@@ -76,11 +59,11 @@ def main() -> int:
     args = parser.parse_args()
     info = machine()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        wall, default_dir = run(a)
-        grid_wall, grid_dir = run(
+        wall, default_dir = quickstart_run(a)
+        grid_wall, grid_dir = quickstart_run(
             b, "search.sampler=grid", "search.num_samples=100", "search.confidence_target=100"
         )
-        default_rows, grid_rows = rows(default_dir), rows(grid_dir)
+        default_rows, grid_rows = trial_rows(default_dir), trial_rows(grid_dir)
         summary = json.loads((default_dir / "summary.json").read_text())
     chosen, truth = summary["recommended"], best(grid_rows)
     grid_speed = {key(r): float(r["samples_per_s"]) for r in grid_rows if r["status"] == "ok"}

@@ -18,32 +18,25 @@ Run: `.venv/bin/python bench/search_noise.py [--runs 4]`.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-from _common import MBTUNE, ROOT, machine, save
+from _common import machine, quickstart_run, save, trial_rows
 
 GRID = ["search.sampler=grid", "search.num_samples=100", "search.confidence_target=100"]
 
 
 def grid_run() -> dict[tuple[int, int], float]:
     with tempfile.TemporaryDirectory() as out:
-        sets = [x for o in (*GRID, f"output_dir={out}") for x in ("--set", o)]
-        subprocess.run([MBTUNE, "run", "experiments/quickstart.yaml", *sets], cwd=ROOT,
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-        (trials,) = Path(out).glob("*/trials.csv")
-        with trials.open() as f:
-            return {
-                (int(r["num_devices"]), int(r["micro_batch_size"])): float(r["samples_per_s"])
-                for r in csv.DictReader(f)
-                if r["status"] == "ok"
-            }
+        _, run_dir = quickstart_run(out, *GRID, quiet=True)
+        return {
+            (int(r["num_devices"]), int(r["micro_batch_size"])): float(r["samples_per_s"])
+            for r in trial_rows(run_dir)
+            if r["status"] == "ok"
+        }
 
 
 def main() -> int:

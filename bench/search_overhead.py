@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from _common import MBTUNE, QUICKSTART, ROOT, machine, save
+from _common import QUICKSTART, ROOT, machine, quickstart_run, save
 
 SIZES = [2, 4, 8, 16, 32]
 OVERRIDES = [
@@ -70,15 +69,7 @@ def subprocess_loop() -> float:
 
 def with_mbtune() -> float:
     with tempfile.TemporaryDirectory() as out:
-        sets = [x for o in (*OVERRIDES, f"output_dir={out}") for x in ("--set", o)]
-        started = time.perf_counter()
-        subprocess.run(
-            [MBTUNE, "run", "experiments/quickstart.yaml", *sets],
-            cwd=ROOT,
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        return time.perf_counter() - started
+        return quickstart_run(out, *OVERRIDES, quiet=True)[0]
 
 
 def main() -> int:
