@@ -52,28 +52,42 @@ STEPS = 5
 """Timed steps per trial (`trial.measure_steps`' default)."""
 
 
-def synthetic(kind: str) -> dict[BatchConfig, float | None]:
-    """A landscape over B = 512, n in 1..8, m the divisors of P (34 configurations)."""
+def synthetic(
+    kind: str,
+    *,
+    saturation: float = 6.0,
+    oom_above: int = 64,
+    all_reduce_s: float = 0.004,
+    link_s: float = 0.03,
+    dip_at: float = 3.0,
+    dip_depth: float = 0.35,
+) -> dict[BatchConfig, float | None]:
+    """A landscape over B = 512, n in 1..8, m the divisors of P (34 configurations).
+
+    ``saturation``: the micro-batch at which a device runs at half its peak speed;
+    ``oom_above``: the largest micro-batch that fits; ``all_reduce_s``: the bandwidth term
+    of the all-reduce; ``link_s`` (comm): a latency per extra device; ``dip_at`` and
+    ``dip_depth`` (dip): where, in octaves of m, the dip is and how deep."""
     points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
     table: dict[BatchConfig, float | None] = {}
     for c in points:
         m, n = c.micro_batch_size, c.num_devices
-        if m > 64:  # out of memory above 64 samples per micro-batch
+        if m > oom_above:  # out of memory: a cliff
             table[c] = None
             continue
-        per_device = 1000 * m / (m + 6)  # saturating compute efficiency
+        per_device = 1000 * m / (m + saturation)  # saturating compute efficiency
         if kind == "dip":
-            per_device *= 1 - 0.35 * math.exp(-((math.log2(m) - 3) ** 2) / 0.8)
-        step = c.per_device_batch / per_device + 0.004 * (n - 1) / n * 8  # + all-reduce
+            per_device *= 1 - dip_depth * math.exp(-((math.log2(m) - dip_at) ** 2) / 0.8)
+        step = c.per_device_batch / per_device + all_reduce_s * (n - 1) / n * 8  # all-reduce
         if kind == "comm":
-            step += 0.03 * (n - 1)  # a slow link: the all-reduce's latency term dominates
+            step += link_s * (n - 1)  # a slow link: the all-reduce's latency term dominates
         table[c] = c.batch_size / step
     return table
 
 
-def bumpy(seed: int, amplitude: float = 0.06) -> dict[BatchConfig, float | None]:
+def bumpy(seed: int, amplitude: float = 0.06, **shape: float) -> dict[BatchConfig, float | None]:
     rng = random.Random(1000 + seed)
-    base = synthetic("saturating")
+    base = synthetic("saturating", **shape)
     return {c: v * math.exp(amplitude * rng.gauss(0, 1)) if v else None for c, v in base.items()}
 
 
@@ -87,6 +101,33 @@ def landscapes() -> dict[str, Callable[[int], dict[BatchConfig, float | None]]]:
         print(f"note: {measured} missing; run bench/measure_landscape.py first", file=sys.stderr)
     out = {name: (lambda seed, t=table: t) for name, table in fixed.items()}
     return {**out, "bumpy": bumpy}
+
+
+def drawn_landscapes() -> dict[str, Callable[[int], dict[BatchConfig, float | None]]]:
+    """The synthetic landscapes as families: every seed draws its own shape (where the
+    micro-batch saturates, where memory runs out, how dear the all-reduce and the link
+    are, where the dip is), so that the searches of one family are different situations,
+    not one situation with different noise. The ranges hold the fixed landscapes' values
+    and reach past them: the link, for instance, makes 8, 4 or 2 devices the fastest."""
+
+    def shape(seed: int) -> dict[str, float]:
+        rng = random.Random(2000 + seed)
+        return {
+            "saturation": math.exp(rng.uniform(math.log(2), math.log(16))),
+            "oom_above": rng.choice([16, 32, 64, 128]),
+            "all_reduce_s": math.exp(rng.uniform(math.log(0.001), math.log(0.016))),
+            "link_s": math.exp(rng.uniform(math.log(0.01), math.log(0.08))),
+            "dip_at": rng.uniform(1.5, 4.5),
+            "dip_depth": rng.uniform(0.2, 0.45),
+        }
+
+    def family(kind: str) -> Callable[[int], dict[BatchConfig, float | None]]:
+        return lambda seed: synthetic(kind, **shape(seed))
+
+    return {
+        **{kind: family(kind) for kind in ("saturating", "dip", "comm")},
+        "bumpy": lambda seed: bumpy(seed, **shape(seed)),
+    }
 
 
 def load_table(path: Path) -> dict[BatchConfig, float | None]:

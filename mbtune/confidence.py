@@ -13,8 +13,9 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    run-to-run drift one trial cannot see (``noise_floor``).
 3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B) is a
    Gaussian process: a constant, a linear trend (throughput scales with devices and
-   saturates with m), a curvature in n (communication can make fewer devices faster) and
-   a smooth Matern-5/2 deviation from them. Its two shape
+   grows with m), a curvature in n (communication can make fewer devices faster), a
+   curvature in m (throughput saturates with the micro-batch) and a smooth Matern-5/2
+   deviation from them. Its two shape
    hyperparameters (length scale, amplitude) are not fixed but averaged over a grid,
    each weighted by how well it explains the measurements (Bayesian model averaging):
    with few measurements many shapes remain possible, and the score stays low.
@@ -59,6 +60,7 @@ _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
 _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
 _TREND_SD = 0.6  # prior sd of the trend's slope per octave (of throughput per device)
 _CURVE_SD = 0.2  # prior sd of the trend's curvature in n, per octave squared (see _kernels)
+_CURVE_M_SD = 0.05  # the same in m: as much as a saturating curve bends (see _kernels)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see _threats)
 
@@ -316,10 +318,14 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
     """(amplitude, kernel matrix) for every shape of the grid, in one fixed order;
     the distances and the trend are computed once for all of them.
 
-    The trend is linear in the octaves of m, n and B, plus a curvature in n: throughput
-    per device falls with the devices ever faster as communication takes over, so the
-    global throughput can peak below the most devices (a smooth peak in m is left to the
-    deviation term: micro-batch curves saturate, with bumps)."""
+    The trend is linear in the octaves of m, n and B, plus a curvature in n and one in m.
+    In n: throughput per device falls with the devices ever faster as communication takes
+    over, so the global throughput can peak below the most devices. In m: a device's
+    throughput saturates with its micro-batch (a fixed cost per micro-batch): in log
+    units the square of the octaves of m has a coefficient of at most about 0.06 on
+    such a curve (docs/confidence.md). Without this term the deviation had to carry the
+    whole bend, its largest amplitude won, and every unmeasured configuration looked
+    uncertain by 30%."""
     dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
     base = _trend(a[:, None, :], b[None, :, :])
     for length in _LENGTH_SCALES:
@@ -336,6 +342,7 @@ def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (
         _TREND_SD**2 * (a * b).sum(-1)
         + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
+        + _CURVE_M_SD**2 * a[..., 0] ** 2 * b[..., 0] ** 2
         + _LEVEL_SD**2
     )
 
