@@ -22,6 +22,9 @@ ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 MBTUNE = Path(sys.executable).with_name("mbtune")
+EXHAUSTIVE_GRID = ("search.sampler=grid", "search.num_samples=100", "search.confidence_target=100")
+"""Overrides that make a search measure every configuration of its space once, and never
+stop early on its confidence score."""
 
 
 def loadavg() -> float | None:

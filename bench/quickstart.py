@@ -30,7 +30,15 @@ import statistics
 import sys
 import tempfile
 
-from _common import BENCH, cli_trial, machine, quickstart_run, save, trial_rows
+from _common import (
+    BENCH,
+    EXHAUSTIVE_GRID,
+    cli_trial,
+    machine,
+    quickstart_run,
+    save,
+    trial_rows,
+)
 
 
 def best(table: list[dict[str, str]]) -> dict[str, str]:
@@ -60,9 +68,7 @@ def main() -> int:
     info = machine()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         wall, default_dir = quickstart_run(a)
-        grid_wall, grid_dir = quickstart_run(
-            b, "search.sampler=grid", "search.num_samples=100", "search.confidence_target=100"
-        )
+        grid_wall, grid_dir = quickstart_run(b, *EXHAUSTIVE_GRID)
         default_rows, grid_rows = trial_rows(default_dir), trial_rows(grid_dir)
         summary = json.loads((default_dir / "summary.json").read_text())
     chosen, truth = summary["recommended"], best(grid_rows)

@@ -24,14 +24,12 @@ import statistics
 import sys
 import tempfile
 
-from _common import machine, quickstart_run, save, trial_rows
-
-GRID = ["search.sampler=grid", "search.num_samples=100", "search.confidence_target=100"]
+from _common import EXHAUSTIVE_GRID, machine, quickstart_run, save, trial_rows
 
 
 def grid_run() -> dict[tuple[int, int], float]:
     with tempfile.TemporaryDirectory() as out:
-        _, run_dir = quickstart_run(out, *GRID, quiet=True)
+        _, run_dir = quickstart_run(out, *EXHAUSTIVE_GRID, quiet=True)
         return {
             (int(r["num_devices"]), int(r["micro_batch_size"])): float(r["samples_per_s"])
             for r in trial_rows(run_dir)

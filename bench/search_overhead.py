@@ -26,14 +26,13 @@ import sys
 import tempfile
 import time
 
-from _common import QUICKSTART, ROOT, machine, quickstart_run, save
+from _common import EXHAUSTIVE_GRID, QUICKSTART, ROOT, machine, quickstart_run, save
 
 SIZES = [2, 4, 8, 16, 32]
 OVERRIDES = [
     "search.space.num_devices=[1]",
     f"search.space.micro_batch_size={SIZES}",
-    "search.sampler=grid",
-    "search.num_samples=100",
+    *EXHAUSTIVE_GRID,  # every one of SIZES, as the loops run them: no stop on confidence
 ]
 
 
