@@ -33,19 +33,15 @@ Run: `.venv/bin/python bench/confidence_calibration.py [--seeds 100] [--sampler 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import warnings
 from collections import defaultdict
 
 from _common import BENCH, machine, save
-from ray.tune.search import Searcher
-from search_efficiency import drawn_landscapes, landscapes, replayed
+from search_efficiency import drawn_landscapes, landscapes, replay_search
 
 from mbtune.confidence import assess, observation
-from mbtune.lattice import BatchConfig
-from mbtune.searchers import make_searcher
 
 TARGET = 90
 MIN_BIN = 30
@@ -55,16 +51,8 @@ def search(table, sampler: str, seed: int) -> list[tuple[int, int, bool]]:
     """(trials so far, score, right) after every trial of one search over ``table``."""
     best = max(v for v in table.values() if v)
     points = list(table)
-    searcher = make_searcher(sampler, points, seed=seed)
-    rng = random.Random(seed)
     observations, out = [], []
-    for i in range(1, len(points) + 1):
-        params = searcher.suggest(f"t{i}")
-        if params in (None, Searcher.FINISHED):
-            break
-        c = BatchConfig.from_mapping(params)
-        result = replayed(c, table[c], rng)
-        searcher.on_trial_complete(f"t{i}", result)
+    for i, _, result in replay_search(table, sampler, seed):
         observations.append(observation(result))
         a = assess(points, observations, seed=seed)
         if a.recommended is not None:

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from _common import BENCH, machine, save
@@ -151,19 +151,27 @@ def replayed(c: BatchConfig, true: float | None, rng: random.Random, noise: floa
             **c.sizes()}  # fmt: skip
 
 
-def trials_to_near_best(table, sampler: str, seed: int) -> int:
-    best = max(v for v in table.values() if v)
-    good = {c for c, v in table.items() if v and v >= 0.98 * best}
+def replay_search(table, sampler: str, seed: int) -> Iterator[tuple[int, BatchConfig, dict]]:
+    """(trial number, configuration, replayed result) of every trial of one search over
+    ``table``, driven as `mbtune run` drives it: the searcher proposes, learns, proposes."""
     searcher = make_searcher(sampler, list(table), seed=seed)
     rng = random.Random(seed)
     for i in range(1, len(table) + 1):
         params = searcher.suggest(f"t{i}")
         if params in (None, Searcher.FINISHED):
-            break
+            return
         c = BatchConfig.from_mapping(params)
+        result = replayed(c, table[c], rng)
+        searcher.on_trial_complete(f"t{i}", result)
+        yield i, c, result
+
+
+def trials_to_near_best(table, sampler: str, seed: int) -> int:
+    best = max(v for v in table.values() if v)
+    good = {c for c, v in table.items() if v and v >= 0.98 * best}
+    for i, c, _ in replay_search(table, sampler, seed):
         if c in good:
             return i
-        searcher.on_trial_complete(f"t{i}", replayed(c, table[c], rng))
     return len(table) + 1  # never found
 
 
