@@ -132,14 +132,29 @@ def ring_allreduce_s(
     return 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * latency_s
 
 
-def run_trial(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -> TrialResult:
+PhaseHook = Callable[[str, int, int], None]
+"""``on_phase(phase, done, total)``: told as a trial moves through its phases: ``building``,
+``compiling`` (the first step, which compiles), ``warm-up`` and ``timing`` (``done`` of
+``total`` steps), ``replaying``, ``starting workers`` (ddp). ``done``/``total`` are 0
+where a phase has no steps to count."""
+
+
+def run_trial(
+    exp: Experiment,
+    config: BatchConfig,
+    *,
+    cwd: str | None = None,
+    on_phase: PhaseHook | None = None,
+) -> TrialResult:
     """Measure one configuration of ``exp`` with its backend.
 
     With ``trial.on_oom: halve`` an out-of-memory result is retried at half the
     micro-batch size (Composer's behaviour) until it fits or the size reaches one.
     ``cwd`` is where a user model is imported from (default: the current directory); it
-    matters only to ``parallel: ddp``, whose workers run in other processes.
+    matters only to ``parallel: ddp``, whose workers run in other processes. ``on_phase``
+    hears of each phase of the trial (see :data:`PhaseHook`), for a progress display.
     """
+    phase = on_phase or _no_phase
     started = time.perf_counter()
     tried: list[int] = []
     while True:
@@ -147,12 +162,15 @@ def run_trial(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -
         if exp.trial.backend == "torch" and exp.trial.parallel == "ddp":
             from mbtune.ddp import measure_ddp
 
+            phase("starting workers", 0, 0)
             # ddp keeps its own deadline: its workers stop themselves at timeout_s, where an
             # alarm here would leave them running
             result = measure_ddp(exp, config, cwd=cwd or os.getcwd())
         else:
             measure = _replay if exp.trial.backend == "replay" else _measure_torch
-            result = _with_timeout(exp.trial.timeout_s, lambda c=config, f=measure: f(exp, c))
+            result = _with_timeout(
+                exp.trial.timeout_s, lambda c=config, f=measure: f(exp, c, phase)
+            )
         if result is None:
             result = dataclasses.replace(
                 _base_result(exp, config, device=exp.trial.device, note=None),
@@ -171,7 +189,12 @@ def run_trial(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -
 # the torch backend
 
 
-def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
+def _no_phase(phase: str, done: int, total: int) -> None:
+    pass
+
+
+def _measure_torch(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> TrialResult:
+    phase("building", 0, 0)
     import torch
 
     from mbtune.models import build_model
@@ -185,7 +208,7 @@ def _measure_torch(exp: Experiment, config: BatchConfig) -> TrialResult:
     config, note = full_batch_if_mixing(spec, config)
     base = _base_result(exp, config, device=str(device), note=note)
     try:
-        return _timed_steps(exp, config, spec, device, base)
+        return _timed_steps(exp, config, spec, device, base, phase)
     except Exception as exc:  # a failed trial is a recorded result
         oom = _find_oom(exc)
         if oom is not None:
@@ -244,7 +267,12 @@ def resolve_device(name: str) -> Any:
 
 
 def _timed_steps(
-    exp: Experiment, config: BatchConfig, spec: Any, device: Any, base: TrialResult
+    exp: Experiment,
+    config: BatchConfig,
+    spec: Any,
+    device: Any,
+    base: TrialResult,
+    phase: PhaseHook,
 ) -> TrialResult:
     import torch
 
@@ -269,11 +297,16 @@ def _timed_steps(
     timed = device_timer(torch, device)
 
     with _fallback_watch() as fallback:
+        phase("compiling" if tr.compile else "first step", 0, 0)
         first = timed(step)  # compiles every micro-batch shape of this split
         _reset_peak(torch, device)
-        for _ in range(tr.warmup_steps):
+        for k in range(tr.warmup_steps):
+            phase("warm-up", k + 1, tr.warmup_steps)
             timed(step)
-        compute = [timed(step) for _ in range(tr.measure_steps)]
+        compute = []
+        for k in range(tr.measure_steps):
+            phase("timing", k + 1, tr.measure_steps)
+            compute.append(timed(step))
         eval_s = _eval_time(spec.loss_fn, model, batches, timed) if tr.eval else None
     peak = _peak_memory(torch, device)
 
@@ -504,7 +537,8 @@ _TABLES: dict[Path, ReplayTable] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-def _replay(exp: Experiment, config: BatchConfig) -> TrialResult:
+def _replay(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> TrialResult:
+    phase("replaying", 0, 0)
     tr = exp.trial
     assert tr.table is not None  # checked when the experiment was parsed
     with _TABLES_LOCK:
@@ -627,12 +661,18 @@ def _worker_main() -> int:
     return 0
 
 
-def trial_metrics(exp: Experiment, config: BatchConfig, *, cwd: str | None = None) -> dict:
+def trial_metrics(
+    exp: Experiment,
+    config: BatchConfig,
+    *,
+    cwd: str | None = None,
+    on_phase: PhaseHook | None = None,
+) -> dict:
     """Measure ``config`` and give what the search reports to Tune: the result as a dict,
     its objective, and whether the model's batch mixing changed the micro-batch size. Bad
     input (MbtuneError) is an ``error`` result here: the search goes on."""
     try:
-        result = run_trial(exp, config, cwd=cwd)
+        result = run_trial(exp, config, cwd=cwd, on_phase=on_phase)
     except MbtuneError as e:
         result = dataclasses.replace(
             _base_result(exp, config, device=exp.trial.device, note=None), reason=str(e)
