@@ -4,42 +4,10 @@ Pure: pandas and numpy, never torch nor ray, and no plotting (that is mbtune.plo
 It reads a finished run, an interrupted one (no summary.json) and one whose driver was
 killed (trials.csv may end in half a row, which is dropped and counted).
 
-``load_run(RUN_DIR)`` gives one row per trial with these columns (``COLUMNS``; also in
-docs/analysis.md). Times are in ms unless the name ends in ``_s``; memory in bytes; a
-figure that was not measured (a failed trial, a CPU without tokens) is NaN.
-
-=========================== ========= =====================================================
-column                      dtype     meaning
-=========================== ========= =====================================================
-trial                       int64     1, 2, ... in the order the trials finished
-trial_id                    text      Ray Tune's id of the trial
-status                      text      ok, oom, error or timeout
-batch_size                  int64     B: global batch, samples per optimizer step
-num_devices                 int64     n: data-parallel devices
-micro_batch_size            int64     m: samples per forward/backward pass (as measured)
-per_device_batch            int64     P = ceil(B / n)
-grad_accum_steps            int64     g = ceil(P / m)
-pipeline_stages             int64     p (1 without a pipeline)
-strict                      bool      B % n == 0 and (B / n) % m == 0 (even splits)
-samples_per_s               float64   global throughput: B / median step time
-samples_per_s_per_device    float64   samples_per_s / n
-tokens_per_s                float64   global tokens per second (models with a sequence)
-step_time_ms_median         float64   median optimizer-step time, ms
-step_time_ms_iqr            float64   spread: interquartile range of the step times, ms
-compute_time_ms             float64   forward/backward passes and optimizer step, ms
-comm_time_ms                float64   gradient all-reduce per step, ms
-bubble_time_ms              float64   pipeline bubble per step, ms
-compile_s                   float64   torch.compile time, s (never in the throughput)
-peak_memory_bytes           float64   peak memory of one device, bytes
-eval_samples_per_s          float64   forward-only throughput (trial.eval)
-objective                   float64   what the search maximised (0 for a failed trial)
-micro_batch_sizes_tried     object    list of int: every m tried (several after halving)
-step_times_ms               object    list of float: every timed step, ms
-wall_s                      float64   wall time of the whole trial, s
-reason                      text      why the status is not ok
-note                        text      something to know about the measurement
-finished_at                 datetime  when the trial finished (local time)
-=========================== ========= =====================================================
+``load_run(RUN_DIR)`` gives one row per trial with the columns of :mod:`mbtune.record`
+(``COLUMNS``; docs/analysis.md lists them with their dtypes). Times are in ms unless the
+name ends in ``_s``; memory in bytes; a figure that was not measured (a failed trial, a
+CPU without tokens) is NaN.
 
 ``load_runs([...])`` puts several runs in one frame, with a first column ``run``.
 """
@@ -60,6 +28,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from mbtune import record
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
@@ -90,22 +59,15 @@ __all__ = [
 SIZES = ("batch_size", "num_devices", "micro_batch_size")
 """The three sizes that name a configuration (and match runs in a comparison)."""
 
-_INTS = ("trial", *SIZES, "per_device_batch", "grad_accum_steps", "pipeline_stages")
-_FLOATS = (
-    "samples_per_s", "samples_per_s_per_device", "tokens_per_s", "step_time_ms_median",
-    "step_time_ms_iqr", "compute_time_ms", "comm_time_ms", "bubble_time_ms", "compile_s",
-    "peak_memory_bytes", "eval_samples_per_s", "objective", "wall_s",
-)  # fmt: skip
-_LISTS = {"micro_batch_sizes_tried": int, "step_times_ms": float}
+_INTS = record.names_of("int")
+_FLOATS = record.names_of("float")
+_BOOLS = tuple(c.name for c in record.COLUMNS if c.kind == "bool" and not c.derived)
+_LISTS = {
+    **dict.fromkeys(record.names_of("ints"), int),
+    **dict.fromkeys(record.names_of("floats"), float),
+}
 
-COLUMNS = (
-    "trial", "trial_id", "status", *SIZES, "per_device_batch", "grad_accum_steps",
-    "pipeline_stages", "strict", "samples_per_s", "samples_per_s_per_device", "tokens_per_s",
-    "step_time_ms_median", "step_time_ms_iqr", "compute_time_ms", "comm_time_ms",
-    "bubble_time_ms", "compile_s", "peak_memory_bytes", "eval_samples_per_s", "objective",
-    "micro_batch_sizes_tried", "step_times_ms", "wall_s", "reason", "note", "finished_at",
-    "node_id",
-)  # fmt: skip
+COLUMNS = tuple(c.name for c in record.COLUMNS)
 """The columns of :func:`load_run`, in order (a newer trials.csv may add more after)."""
 
 FORMATS = ("table", "csv", "json", "markdown")
@@ -214,6 +176,8 @@ def _typed_frame(
             columns[name] = numbers[name].astype("float64")
         elif name == "strict":
             columns[name] = ((b % n == 0) & ((b // n) % m == 0)).astype(bool)
+        elif name in _BOOLS:  # missing in older runs: false
+            columns[name] = raw[name].str.strip().str.lower().isin(("true", "1")).astype(bool)
         elif name in _LISTS:
             columns[name] = pd.Series(
                 [_parse_list(v, _LISTS[name]) for v in raw[name]], index=raw.index, dtype=object

@@ -23,19 +23,12 @@ from typing import Any
 import yaml
 
 from mbtune.errors import MbtuneError
+from mbtune.record import CSV_COLUMNS
 
 __all__ = ["TRIAL_COLUMNS", "RunDir"]
 
-TRIAL_COLUMNS = (
-    "trial", "trial_id", "status", "batch_size", "num_devices", "micro_batch_size",
-    "per_device_batch", "grad_accum_steps", "pipeline_stages", "samples_per_s",
-    "samples_per_s_per_device", "tokens_per_s", "step_time_ms_median", "step_time_ms_iqr",
-    "compute_time_ms", "comm_time_ms", "bubble_time_ms", "compile_s", "peak_memory_bytes",
-    "eval_samples_per_s", "objective", "micro_batch_sizes_tried", "step_times_ms", "wall_s",
-    "reason", "note", "finished_at", "node_id",
-)  # fmt: skip
-"""The columns of trials.csv (times in ms unless named _s; memory in bytes; node_id: the
-Ray node that measured the trial)."""
+TRIAL_COLUMNS = CSV_COLUMNS
+"""The columns of trials.csv: mbtune.record says what each holds."""
 
 
 class RunDir:

@@ -312,3 +312,21 @@ def test_render_table_formats(tmp_path):
     assert text[0] == "rank  samples_per_s" and text[1] == "   1          630.0"
     with pytest.raises(MbtuneError, match="unknown format 'xml'"):
         analysis.render_table(table, "xml")
+
+
+def test_the_docs_column_table_is_the_record_schema():
+    from pathlib import Path
+
+    from mbtune import record
+
+    docs = (Path(__file__).parent.parent / "docs" / "analysis.md").read_text()
+    assert record.markdown_table() in docs
+
+
+def test_every_trial_result_field_is_a_column_of_trials_csv():
+    import dataclasses
+
+    from mbtune.trial import TrialResult
+
+    fields = {f.name for f in dataclasses.fields(TrialResult)}
+    assert fields <= set(TRIAL_COLUMNS)
