@@ -16,8 +16,9 @@ import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,6 +26,9 @@ from mbtune import lattice
 from mbtune.errors import MbtuneError
 from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
 from mbtune.model_options import MODEL_OPTIONS, check_options
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = [
     "BACKENDS",
@@ -64,7 +68,8 @@ interconnect (not measured: no GPU was at hand)."""
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ON_OOM = ("fail", "halve")
 BUILTIN_MODELS = tuple(MODEL_OPTIONS)
-SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+SEARCH_SPACES_DIR = resources.files("mbtune") / "search_spaces"
+"""The named search spaces: package data (mbtune/search_spaces/*.yaml), in a wheel too."""
 
 
 class ConfigError(MbtuneError):
@@ -694,14 +699,16 @@ def _parse_space(raw: Any, base: Path) -> SpaceConfig:
     )
 
 
-def _space_path(value: str, base: Path) -> Path:
-    """A space is a name from search_spaces/ or a path (relative to the experiment file)."""
+def _space_path(value: str, base: Path) -> Path | Traversable:
+    """A space is a name from search_spaces/ (package data) or a path (relative to the
+    experiment file)."""
     if value.endswith((".yaml", ".yml")) or "/" in value:
         for candidate in (base / value, Path(value)):
             if candidate.is_file():
                 return candidate
         raise ConfigError("search.space", f"space file not found: {value}")
-    names = sorted(p.stem for p in SEARCH_SPACES_DIR.glob("*.yaml"))
+    names = sorted(p.name[: -len(".yaml")] for p in SEARCH_SPACES_DIR.iterdir()
+                   if p.name.endswith(".yaml"))  # fmt: skip
     if value not in names:
         raise ConfigError(
             "search.space",
