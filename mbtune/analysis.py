@@ -31,6 +31,7 @@ import yaml
 from mbtune import record
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
+from mbtune.reporter import step_words
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -379,6 +380,8 @@ class Recommendation:
     confidence: int | None = None
     recommended_batch_size: int | None = None
     """summary.json's global batch for (n, m), where it differs from the measured B."""
+    precision: str = "fp32"
+    """The arithmetic it was measured with (fp32 in runs from before it was recorded)."""
 
     @property
     def grad_accum_steps(self) -> int:
@@ -406,6 +409,7 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
             samples_per_s=float(speed) if isinstance(speed, int | float) else None,
             pipeline_stages=stages,
             source=SUMMARY_FILE,
+            precision=str(rec.get("precision") or "fp32"),
             confidence=int(confidence) if isinstance(confidence, int | float) else None,
             recommended_batch_size=global_batch
             if isinstance(global_batch, int) and global_batch != config.batch_size
@@ -415,11 +419,15 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
     if top.empty or pd.isna(top["rank"].iloc[0]):
         raise MbtuneError(no_ok_trial_message(trials, info.path))
     best = top.iloc[0]
+    precision = best.get("precision")
     return Recommendation(
-        config=BatchConfig(*(int(best[s]) for s in SIZES)),
+        config=BatchConfig(
+            *(int(best[s]) for s in SIZES), bool(best.get("activation_checkpointing", False))
+        ),
         samples_per_s=float(best["samples_per_s"]),
         pipeline_stages=int(best["pipeline_stages"]),
         source="best ok trial",
+        precision=str(precision) if isinstance(precision, str) and precision else "fp32",
     )
 
 
@@ -538,10 +546,11 @@ def _recommendation_line(rec: Recommendation) -> str:
         if rec.recommended_batch_size
         else ""
     )
+    step = "".join(f", {w}" for w in step_words(rec.precision, c.activation_checkpointing))
     return (
         f"recommended ({source}): num_devices {c.num_devices}, batch_size {c.batch_size}, "
         f"micro_batch_size {c.micro_batch_size} ({c.grad_accum_steps} micro-batch"
-        f"{'es' * (c.grad_accum_steps > 1)} per device){speed}{batch}"
+        f"{'es' * (c.grad_accum_steps > 1)} per device{step}){speed}{batch}"
     )
 
 

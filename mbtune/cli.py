@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from mbtune.config import Experiment, load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.starter import DEVICES, MODES, write_starter
 
 __all__ = ["main", "space_rows"]
 
@@ -49,6 +50,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     experiment = _experiment_arguments(_Parser(add_help=False))
     optional_experiment = _experiment_arguments(_Parser(add_help=False), optional=True)
+
+    init = commands.add_parser(
+        "init",
+        help="write a commented starter experiment",
+        description="Write a starter experiment with comments: the keys you are most likely "
+        "to change, for your model, device and micro-batch mode. It validates as written; an "
+        "existing file is never overwritten.",
+    )
+    init.add_argument(
+        "path", metavar="PATH", nargs="?", default="experiment.yaml",
+        help="the file to write (default: experiment.yaml)",
+    )  # fmt: skip
+    init.add_argument(
+        "--model", default="gpt",
+        help="gpt (a small GPT), hf:gpt2 (a small Hugging Face GPT-2), another built-in or "
+        "hf:<model_type>, or package.module:function (your own; default: gpt)",
+    )  # fmt: skip
+    init.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
+    init.add_argument(
+        "--mode", choices=MODES, default="auto",
+        help="train_input.micro_batch_size: auto (the fastest divisor that fits), explore "
+        "(every size, divisible or not) or none (no accumulation); default: auto",
+    )  # fmt: skip
+    init.set_defaults(handler=_init)
 
     validate = commands.add_parser(
         "validate",
@@ -202,6 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------
+# init
+
+
+def _init(args: argparse.Namespace) -> int:
+    path = write_starter(args.path, model=args.model, device=args.device, mode=args.mode)
+    print(f"mbtune: wrote {path}; check it with: mbtune validate {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
 # validate
 
 
@@ -234,7 +269,7 @@ def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
         "auto": "micro_batch_size auto (the fastest divisor of the per-device batch that fits)",
         "explore": "micro_batch_size explore (every size in the space, divisible or not)",
     }[t.mode]
-    user = t.config
+    user = exp.user_config
     yours = f"; yours runs {_split(user)}" if user is not None and user in set(configs) else ""
     memory = f"{tr.device_memory / 2**30:.2f} GiB" if tr.device_memory else "no budget"
     measure = (
@@ -263,8 +298,13 @@ def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
         ),
         (
             "search",
-            f"sampler {s.sampler}, objective {s.objective}, {budget}, stop at confidence "
-            f"{s.confidence_target}, seed {s.seed}",
+            f"sampler {s.sampler}, objective {s.objective}, {budget}, "
+            + (
+                f"stop at confidence {s.confidence_target}"
+                if s.confidence_target < 100  # the score is 0..99: 100 is never reached
+                else "never stops on confidence (runs to num_samples or the time budget)"
+            )
+            + f", seed {s.seed}",
         ),
         (
             "trial",
@@ -292,17 +332,21 @@ def _split(c: BatchConfig) -> str:
 
 
 def space_rows(exp: Experiment) -> list[dict[str, Any]]:
-    """One row per configuration of the experiment's space."""
+    """One row per configuration of the experiment's space (activation_checkpointing only
+    where the space has it on)."""
+    configs = exp.configs()
+    checkpointing = any(c.activation_checkpointing for c in configs)
     rows = []
-    for c in exp.configs():
-        rows.append(
-            {
-                **c.as_dict(),
-                "micro_batches": _micro_batches(c),
-                "strict": c.is_strict,
-                "runs_as": c.canonical_micro_batch_size,
-            }
-        )
+    for c in configs:
+        row = {
+            **c.as_dict(),
+            "micro_batches": _micro_batches(c),
+            "strict": c.is_strict,
+            "runs_as": c.canonical_micro_batch_size,
+        }
+        if not checkpointing:
+            del row["activation_checkpointing"]
+        rows.append(row)
     return rows
 
 
@@ -326,7 +370,7 @@ def _space(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment, args.overrides)
     rows = space_rows(exp)
-    distinct = len({(r["batch_size"], r["num_devices"], r["runs_as"]) for r in rows})
+    distinct = len({c.canonical() for c in exp.configs()})
     if args.format == "json":
         print(json.dumps({"count": len(rows), "distinct": distinct, "configurations": rows}))
     elif args.format == "csv":
@@ -490,7 +534,7 @@ def trial_config(
             f"--micro-batch-size: {micro} exceeds the per-device batch {p} (batch_size {b} / "
             f"num_devices {n}); valid: 1..{p}"
         )
-    config = BatchConfig(b, n, micro)
+    config = BatchConfig(b, n, micro, exp.trial.activation_checkpointing)
     uneven_ok = t.allow_uneven or t.mode == "explore"
     if not config.is_strict and not uneven_ok:
         try:
@@ -514,6 +558,11 @@ def result_lines(r: Any, *, threads: int | None = None) -> list[str]:
         f"{r.device}" + (f" ({threads} CPU thread{'s' if threads > 1 else ''})" if threads else ""),
         f"  status       {r.status}" + (f" ({r.reason})" if r.reason else ""),
     ]
+    step = [r.precision] if r.precision else []
+    if r.activation_checkpointing:
+        step.append("activation checkpointing")
+    if step:
+        lines.append(f"  step         {', '.join(step)}")
     if r.note:
         lines.append(f"  note         {r.note}")
     if len(r.micro_batch_sizes_tried) > 1:
@@ -540,6 +589,12 @@ def result_lines(r: Any, *, threads: int | None = None) -> list[str]:
                 f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
                 f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"
             )
+    if r.tflops_per_s is not None:
+        mfu = f", MFU {r.mfu:.1%}" if r.mfu is not None else ", MFU unknown (no peak known)"
+        lines.append(
+            f"  flops        {r.flops_per_sample / 1e9:,.3g} GFLOP per sample, "
+            f"{r.tflops_per_s:,.3g} TFLOP/s per device{mfu}"
+        )
     if r.eval_samples_per_s is not None:
         lines.append(f"  eval         {r.eval_samples_per_s:,.1f} samples/s forward-only")
     if r.compile_s is not None:
@@ -547,7 +602,12 @@ def result_lines(r: Any, *, threads: int | None = None) -> list[str]:
     if r.compile_fallback:
         lines.append(f"  warning      {r.compile_fallback}")
     if r.peak_memory_bytes is not None:
-        lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB")
+        reserved = (
+            f" ({r.peak_reserved_bytes / 2**20:,.0f} MiB reserved)"
+            if r.peak_reserved_bytes is not None
+            else ""
+        )
+        lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB{reserved}")
     lines.append(f"  wall time    {r.wall_s:.1f} s")
     return lines
 

@@ -6,12 +6,14 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
 1. **Feasible region.** Every distinct configuration of the space is a candidate, except
    those that cannot win: a configuration that failed (``error``, ``timeout``) and every
    configuration whose micro-batch is at least as large as one that ran out of memory
-   (memory grows with the micro-batch a device runs, whatever n and B are).
+   with the same activation checkpointing (memory grows with the micro-batch a device
+   runs, whatever n and B are).
 2. **Measurement noise.** Each trial keeps every step time. The relative spread of step
    times is pooled over all trials (one trial's few steps say little on their own) and
    turned into the variance of the log of each trial's median, plus a floor for the
    run-to-run drift one trial cannot see (``noise_floor``).
-3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B) is a
+3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B, and
+   activation checkpointing as 0 or 1 where the space searches it) is a
    Gaussian process: a constant, a linear trend (throughput scales with devices and
    grows with m), a curvature in n (communication can make fewer devices faster), a
    curvature in m (throughput saturates with the micro-batch) and a smooth Matern-5/2
@@ -212,23 +214,33 @@ def assess(
 def _feasible(points: Sequence[BatchConfig], observed: Iterable[Observation]) -> set[BatchConfig]:
     """The configurations that can still win: not failed, not above an out-of-memory size."""
     failed: set[BatchConfig] = set()
-    oom_at = math.inf
+    # with and without activation checkpointing, memory grows with m on its own scale
+    oom_at: dict[bool, float] = {False: math.inf, True: math.inf}
     for o in observed:
+        ac = o.config.activation_checkpointing
         if o.status == "oom":
-            oom_at = min(oom_at, o.config.micro_batch_size)
+            oom_at[ac] = min(oom_at[ac], o.config.micro_batch_size)
         elif o.status != "ok":
             failed.add(o.config)
         for m in o.oom_micro_batch_sizes:
-            oom_at = min(oom_at, m)
+            oom_at[ac] = min(oom_at[ac], m)
     return {
         c
         for c in (p.canonical() for p in points)
-        if c not in failed and c.micro_batch_size < oom_at
+        if c not in failed and c.micro_batch_size < oom_at[c.activation_checkpointing]
     }
 
 
-def _features(c: BatchConfig) -> tuple[float, float, float]:
-    return (math.log2(c.micro_batch_size), math.log2(c.num_devices), math.log2(c.batch_size))
+def _features(c: BatchConfig) -> tuple[float, float, float, float]:
+    """Octaves of m, n and B, and activation checkpointing (0 or 1): a surface of its own,
+    shifted by the trend and close to the other by the smooth deviation (one unit apart,
+    as an octave is), so that what one setting measures tells of the other."""
+    return (
+        math.log2(c.micro_batch_size),
+        math.log2(c.num_devices),
+        math.log2(c.batch_size),
+        float(c.activation_checkpointing),
+    )
 
 
 class _Scale:

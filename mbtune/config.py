@@ -25,7 +25,14 @@ import yaml
 from mbtune import lattice
 from mbtune.errors import MbtuneError
 from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
-from mbtune.model_options import MODEL_OPTIONS, check_options
+from mbtune.model_options import (
+    HF_NAMES,
+    MODEL_OPTIONS,
+    check_options,
+    hf_model_type,
+    split_hf_options,
+    split_user_options,
+)
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -37,6 +44,7 @@ __all__ = [
     "OBJECTIVES",
     "ON_OOM",
     "PARALLEL",
+    "PRECISIONS",
     "SAMPLERS",
     "SEARCH_SPACES_DIR",
     "ConfigError",
@@ -59,6 +67,13 @@ OBJECTIVES = ("samples_per_s", "samples_per_s_per_device")
 BACKENDS = ("torch", "replay")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("simulate", "ddp")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
+"""TF32 matmuls and fp16 with a gradient scaler exist on CUDA only; bf16 autocast runs on
+the CPU too."""
+DEFAULT_MEMORY_HEADROOM = 0.05
+"""The share of a known memory budget a configuration must leave free to count as fitting:
+allocator fragmentation grows over hours of training (trial.memory_headroom)."""
 
 LINKS = {"cpu": (1_850_000_000, 210.0), "cuda": (25 * 10**9, 10.0)}
 """The modelled all-reduce's link (bytes/s, latency per hop in microseconds) when the
@@ -87,16 +102,22 @@ class ConfigError(MbtuneError):
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str
-    """``gpt``, ``mlp``, ``cnn_bn``, or ``package.module:function`` for a user model."""
+    """``gpt``, ``mlp``, ``cnn_bn``, ``hf:<model_type>`` for a Hugging Face transformers
+    model, or ``package.module:function`` for a user model."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Model-specific keys (every key under ``model:`` but ``name``)."""
 
     def __post_init__(self) -> None:
-        if self.name not in BUILTIN_MODELS and not _is_user_model(self.name):
+        if (
+            self.name not in BUILTIN_MODELS
+            and hf_model_type(self.name) is None
+            and not _is_user_model(self.name)
+        ):
             raise ConfigError(
                 "model.name",
                 f"unknown model {self.name!r}; valid: {', '.join(BUILTIN_MODELS)}, or "
-                f"package.module:function{_did_you_mean(self.name, BUILTIN_MODELS)}",
+                f"package.module:function{_did_you_mean(self.name, BUILTIN_MODELS)}; "
+                f"or {HF_NAMES}",
             )
 
     @property
@@ -121,39 +142,48 @@ class TrainInput:
 
     def __post_init__(self) -> None:
         b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
-        if b < n:
-            raise ConfigError(
-                "train_input.batch_size",
-                f"batch_size {b} is smaller than num_devices {n}: every device needs at "
-                f"least one sample; use batch_size >= {n}",
-            )
+        fixed = m if isinstance(m, int) else None
         uneven_ok = self.allow_uneven or m == "explore"
-        if b % n and not uneven_ok:
-            with _lattice_rule("train_input.batch_size"):
-                lattice.check_strict(b, n, 1)
-        if isinstance(m, int):
-            p = lattice.per_device_batch(b, n)
-            if m > p:
-                raise ConfigError(
-                    "train_input.micro_batch_size",
-                    f"micro_batch_size {m} exceeds the per-device batch {p} (batch_size {b} / "
-                    f"num_devices {n}); valid: 1..{p}",
+        if self.pipeline_stages > 1 and uneven_ok:  # first: what else it says assumes p = 1
+            raise ConfigError(
+                "train_input.pipeline_stages" if m == "explore" else "train_input.allow_uneven",
+                (
+                    f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches"
+                    if m == "explore"
+                    else "uneven splits cannot be pipelined: Megatron requires batch_size = "
+                    "num_devices x micro_batch_size x micro-batches"
                 )
-            if not uneven_ok:
-                with _lattice_rule("train_input.micro_batch_size"):
-                    lattice.check_strict(b, n, m)
-        if self.pipeline_stages > 1 and m == "explore":
-            raise ConfigError(
-                "train_input.pipeline_stages",
-                f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches; "
-                "use micro_batch_size: auto, none or an int",
+                + f"; {self._even_pipeline_fix()}",
             )
-        if self.pipeline_stages > 1 and self.allow_uneven:
-            raise ConfigError(
-                "train_input.allow_uneven",
-                "uneven splits cannot be pipelined: Megatron requires batch_size = num_devices x "
-                "micro_batch_size x micro-batches; set allow_uneven: false",
-            )
+        # auto tries the divisors of P only, and a pipeline splits evenly: there
+        # allow_uneven makes no uneven split run, so no message offers it
+        offer_uneven = m != "auto" and self.pipeline_stages == 1
+        if b < n or (b % n and not uneven_ok):
+            with _lattice_rule("train_input.batch_size"):
+                lattice.check_batch_size(
+                    b, n, fixed, allow_uneven=uneven_ok and m != "auto", offer_uneven=offer_uneven
+                )
+        if fixed is not None:
+            with _lattice_rule("train_input.micro_batch_size"):
+                lattice.check_micro_batch_size(
+                    b, n, fixed, allow_uneven=uneven_ok, offer_uneven=offer_uneven
+                )
+
+    def _even_pipeline_fix(self) -> str:
+        """What makes an uneven-split mode valid with a pipeline: the even mode and sizes it
+        needs, or one stage where the sizes run unevenly."""
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        fixed = m if isinstance(m, int) else None
+        p = lattice.per_device_batch(b, n)
+        even = b >= n and b % n == 0 and (fixed is None or p % fixed == 0)
+        changes = ["micro_batch_size: auto or none"] * (m == "explore")
+        changes += ["allow_uneven: false"] * self.allow_uneven
+        fix = "set " + " and ".join(changes)
+        if not even:
+            fix += f" with {lattice.nearest_batch_sizes_text(b, n, fixed)}"
+        if b >= n and (fixed is None or fixed <= p) and (m != "auto" or even):
+            fix += ", or set pipeline_stages: 1"
+        return fix
 
     @property
     def mode(self) -> str:
@@ -189,6 +219,8 @@ class SpaceConfig:
     num_devices: tuple[int, ...] | IntRange | None = None
     micro_batch_size: tuple[int, ...] | IntRange | None = None
     batch_size: int | IntRange | None = None
+    activation_checkpointing: tuple[bool, ...] | None = None
+    """``[false, true]`` searches with and without activation checkpointing."""
     source: str = "inline"
     """Where the space came from: ``inline``, a name from search_spaces/, or a path."""
 
@@ -250,6 +282,50 @@ class TrialConfig:
     link_latency_us: float | None = None
     """Latency of one hop of the modelled ring all-reduce, in microseconds; None:
     :data:`LINKS` for the trial's device."""
+    precision: str = "auto"
+    """The arithmetic of the step: ``auto`` (bf16 autocast on a CUDA device that supports
+    it, else fp32), ``fp32``, ``tf32`` (fp32 with TF32 matmuls; CUDA), ``bf16`` (autocast,
+    fp32 master weights; CPU too) or ``fp16`` (autocast with a gradient scaler; CUDA)."""
+    activation_checkpointing: bool = False
+    """Recompute the model's blocks' activations in the backward pass (memory for
+    compute); ``search.space.activation_checkpointing`` searches over it instead."""
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s for the trial's precision, for ``mfu``; None: from the
+    table of known devices (mbtune.flops), or no mfu where the device is not in it."""
+    memory_headroom: float | None = None
+    """The share of the memory budget a configuration must leave free to fit; None:
+    DEFAULT_MEMORY_HEADROOM where a budget is known (trial.device_memory, or a CUDA
+    card's memory), else 0."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                "trial.precision",
+                f"{_show(self.precision)} is not one of: {', '.join(PRECISIONS)}"
+                f"{_did_you_mean(self.precision, PRECISIONS)}",
+            )
+        if self.device == "cpu" and self.precision in CUDA_ONLY_PRECISIONS:
+            raise ConfigError(
+                "trial.precision",
+                f"{self.precision} runs on CUDA only, and trial.device is cpu; use bf16 or "
+                "fp32 on the CPU (or auto)",
+            )
+        if self.memory_headroom is not None and not 0 <= self.memory_headroom < 1:
+            raise ConfigError(
+                "trial.memory_headroom",
+                f"{_show(self.memory_headroom)} is out of range; expected a share from 0 "
+                "(none) to below 1, e.g. 0.05",
+            )
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(
+                "trial.peak_tflops", f"must be positive, got {_show(self.peak_tflops)}"
+            )
+
+    def headroom(self, budget: int | None) -> float:
+        """``memory_headroom`` resolved for a budget (None: no budget is known)."""
+        if self.memory_headroom is not None:
+            return self.memory_headroom
+        return DEFAULT_MEMORY_HEADROOM if budget else 0.0
 
     def link(self, device_type: str) -> tuple[int, float]:
         """(bytes/s, latency in seconds) of the modelled link for a ``cpu`` or ``cuda`` trial."""
@@ -355,6 +431,17 @@ class Experiment:
         return max(1, int(self.ray.cpus_per_trial))
 
     @property
+    def user_config(self) -> BatchConfig | None:
+        """The user's own configuration (where the mode fixes m), with the trial's
+        activation checkpointing: the reference for "faster than yours"."""
+        user = self.train_input.config
+        if user is None:
+            return None
+        return dataclasses.replace(
+            user, activation_checkpointing=self.trial.activation_checkpointing
+        )
+
+    @property
     def noise_floor(self) -> float:
         """``search.noise_floor``, resolved for the backend (see SearchConfig)."""
         if self.search.noise_floor is not None:
@@ -365,7 +452,7 @@ class Experiment:
 
     def configs(self) -> list[BatchConfig]:
         """Every configuration the search may try (see lattice.enumerate_configs)."""
-        return _enumerate(self.train_input, self.search.space)
+        return _enumerate(self.train_input, self.search.space, self.trial.activation_checkpointing)
 
     def _space_summary(self) -> str:
         t, s = self.train_input, self.search.space
@@ -404,7 +491,14 @@ class Experiment:
         )
 
 
-def _enumerate(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
+def _enumerate(t: TrainInput, s: SpaceConfig, checkpointing: bool) -> list[BatchConfig]:
+    """The lattice of (B, n, m), once per activation checkpointing setting of the space."""
+    sizes = _enumerate_sizes(t, s)
+    flags = s.activation_checkpointing or (checkpointing,)
+    return [dataclasses.replace(c, activation_checkpointing=f) for f in flags for c in sizes]
+
+
+def _enumerate_sizes(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
     ns = _values(s.num_devices) if s.num_devices is not None else [t.num_devices]
     ms = _values(s.micro_batch_size) if s.micro_batch_size is not None else None
     batch_range = isinstance(s.batch_size, IntRange)
@@ -613,6 +707,10 @@ def _parse_model(raw: Any) -> ModelConfig:
     model = ModelConfig(name=name, options=options)
     if model.is_builtin:
         check_options(name, options)
+    elif hf_model_type(name) is not None:
+        split_hf_options(options)  # the model type and the config's keys: when it is built
+    else:
+        split_user_options(options)
     return model
 
 
@@ -667,13 +765,18 @@ def _parse_points(raw: Any, where: str) -> tuple[BatchConfig, ...]:
         raise ConfigError(where, f"expected a list of configurations, got {_kind(raw)}")
     points = []
     for i, item in enumerate(raw):
-        sec = _Section(item, f"{where}[{i}]", ("batch_size", "num_devices", "micro_batch_size"))
+        sec = _Section(
+            item,
+            f"{where}[{i}]",
+            ("batch_size", "num_devices", "micro_batch_size", "activation_checkpointing"),
+        )
         b = sec.int("batch_size", required=True)
         n = sec.int("num_devices", default=1)
         m = sec.int("micro_batch_size", required=True)
         if b < n:
             raise ConfigError(f"{where}[{i}]", f"batch_size {b} is smaller than num_devices {n}")
-        points.append(BatchConfig(b, n, m))
+        checkpointing = sec.bool("activation_checkpointing", default=False)
+        points.append(BatchConfig(b, n, m, checkpointing))
     return tuple(points)
 
 
@@ -690,11 +793,14 @@ def _parse_space(raw: Any, base: Path) -> SpaceConfig:
         raw = _safe_load(text, str(path))
         if raw is None:
             raw = {}
-    sec = _Section(raw, where, ("num_devices", "micro_batch_size", "batch_size"))
+    sec = _Section(
+        raw, where, ("num_devices", "micro_batch_size", "batch_size", "activation_checkpointing")
+    )
     return SpaceConfig(
         num_devices=sec.int_list_or_range("num_devices"),
         micro_batch_size=sec.int_list_or_range("micro_batch_size"),
         batch_size=sec.int_or_range("batch_size"),
+        activation_checkpointing=sec.bool_list("activation_checkpointing"),
         source=source,
     )
 
@@ -742,6 +848,10 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
         else None,
         link_latency_us=sec.float("link_latency_us", default=None, minimum=0.0),
         timeout_s=sec.float("timeout_s", default=600.0, minimum=1.0),
+        precision=sec.choice("precision", PRECISIONS, default="auto"),
+        activation_checkpointing=sec.bool("activation_checkpointing", default=False),
+        peak_tflops=sec.float("peak_tflops", default=None, minimum=1e-6),
+        memory_headroom=sec.float("memory_headroom", default=None, minimum=0.0, maximum=0.99),
     )
 
 
@@ -861,6 +971,18 @@ class _Section:
         if isinstance(value, bool):
             return value
         raise ConfigError(self._at(key), f"expected true or false, got {_show(value)}")
+
+    def bool_list(self, key: str) -> tuple[bool, ...] | None:
+        """A list of true/false (or one of them), as a sorted tuple without repeats."""
+        value = self.get(key)
+        if value is None:
+            return None
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(v, bool) for v in items):
+            raise ConfigError(
+                self._at(key), f"expected true, false or [false, true], got {_show(value)}"
+            )
+        return tuple(sorted(set(items)))
 
     def int(
         self, key: str, *, default: int | None = None, required: bool = False,

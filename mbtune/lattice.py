@@ -26,9 +26,12 @@ __all__ = [
     "MAX_CONFIGS",
     "MODES",
     "BatchConfig",
+    "as_flag",
     "LatticeError",
     "bubble_fraction",
     "canonical_micro_batch_size",
+    "check_batch_size",
+    "check_micro_batch_size",
     "check_strict",
     "divisors",
     "enumerate_configs",
@@ -36,10 +39,12 @@ __all__ = [
     "grad_accum_steps",
     "is_strictly_valid",
     "megatron_global_batch",
+    "nearest_batch_sizes_text",
     "nearest_valid_batch_sizes",
     "num_microbatches",
     "per_device_batch",
     "valid_micro_batch_sizes",
+    "valid_num_devices",
 ]
 
 MODES = ("auto", "explore", "none")
@@ -118,44 +123,125 @@ def valid_micro_batch_sizes(batch_size: int, num_devices: int) -> list[int]:
     return divisors(batch_size // num_devices)
 
 
-def nearest_valid_batch_sizes(
-    batch_size: int, num_devices: int, micro_batch_size: int
-) -> tuple[int | None, int]:
-    """The nearest strictly valid batch sizes at or below and at or above ``batch_size``.
+def valid_num_devices(batch_size: int, micro_batch_size: int | None = None) -> list[int]:
+    """Every n for which (B, n, m) is strictly valid: the divisors of B / m (of B where m is
+    not fixed); none where m does not divide B."""
+    m = micro_batch_size or 1
+    return divisors(batch_size // m) if batch_size % m == 0 else []
 
-    Strictly valid batch sizes for (n, m) are the positive multiples of n * m. Below is
-    None when no positive one exists. When ``batch_size`` is itself valid, both are it.
+
+def nearest_valid_batch_sizes(
+    batch_size: int, num_devices: int, micro_batch_size: int, *, allow_uneven: bool = False
+) -> tuple[int | None, int]:
+    """The nearest valid batch sizes for (n, m) at or below and at or above ``batch_size``.
+
+    Strictly valid batch sizes for (n, m) are the positive multiples of n * m. With
+    ``allow_uneven`` every B >= n with m <= ceil(B / n) is valid: every B from
+    max(n, n * (m - 1) + 1) on. Below is None when no valid one exists. When
+    ``batch_size`` is itself valid, both are it.
     """
-    step = num_devices * micro_batch_size
+    n, m = num_devices, micro_batch_size
+    if allow_uneven:
+        smallest = max(n, n * (m - 1) + 1)
+        return (batch_size, batch_size) if batch_size >= smallest else (None, smallest)
+    step = n * m
     below = (batch_size // step) * step
     above = -(-batch_size // step) * step
     return (below if below > 0 else None), max(above, step)
 
 
-def check_strict(batch_size: int, num_devices: int, micro_batch_size: int) -> None:
-    """Raise LatticeError naming the broken rule, both numbers and what would be valid."""
+def nearest_batch_sizes_text(
+    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
+    allow_uneven: bool = False,
+) -> str:  # fmt: skip
+    """'nearest valid batch_size for micro_batch_size 4: 96 (below) or 108 (above)', the
+    phrase every message uses; ``micro_batch_size`` None: a mode chooses m (any divides)."""
+    m = micro_batch_size or 1
+    below, above = nearest_valid_batch_sizes(batch_size, num_devices, m, allow_uneven=allow_uneven)
+    for_m = f" for micro_batch_size {micro_batch_size}" if micro_batch_size else ""
+    return f"nearest valid batch_size{for_m}: {_below_above(below, above)}"
+
+
+def check_batch_size(
+    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
+    allow_uneven: bool = False, offer_uneven: bool = False,
+) -> None:  # fmt: skip
+    """Raise LatticeError where B < n or, unless ``allow_uneven``, B % n != 0.
+
+    The message names the rule, both numbers, and the nearest batch sizes (for B < n also
+    the device counts) that satisfy every rule with the micro-batch size too (None: a mode
+    chooses m). ``offer_uneven``: the caller may set allow_uneven; the message says so
+    where that alone makes these sizes valid.
+    """
     b, n, m = batch_size, num_devices, micro_batch_size
     if b < n:
+        devices = _valid_devices_text(b, m, allow_uneven)
         raise LatticeError(
             f"batch_size {b} is smaller than num_devices {n}: every device needs at least "
-            f"one sample; use batch_size >= {n} or num_devices <= {b}"
+            f"one sample; {nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)}"
+            + (f"; {devices}" if devices else "")
         )
-    if b % n:
-        below, above = nearest_valid_batch_sizes(b, n, 1)
+    if b % n and not allow_uneven:
+        uneven_runs = offer_uneven and (m is None or m <= per_device_batch(b, n))
         raise LatticeError(
-            f"batch_size {b} is not divisible by num_devices {n}; nearest valid batch_size: "
-            f"{_below_above(below, above)} (or set allow_uneven: true)"
+            f"batch_size {b} is not divisible by num_devices {n}; "
+            f"{nearest_batch_sizes_text(b, n, m)}" + _UNEVEN_HINT * uneven_runs
         )
-    per_device = b // n
-    if per_device % m:
-        below, above = nearest_valid_batch_sizes(b, n, m)
-        valid = ", ".join(map(str, valid_micro_batch_sizes(b, n)))
+
+
+def check_micro_batch_size(
+    batch_size: int, num_devices: int, micro_batch_size: int, *,
+    allow_uneven: bool = False, offer_uneven: bool = False,
+) -> None:  # fmt: skip
+    """Raise LatticeError where m > P or, unless ``allow_uneven``, P % m != 0; (B, n) has
+    passed :func:`check_batch_size` with the same ``allow_uneven``.
+
+    The message names the rule, both numbers, the nearest batch sizes for this m and the
+    micro-batch sizes for this B that satisfy every rule; ``offer_uneven`` as there.
+    """
+    b, n, m = batch_size, num_devices, micro_batch_size
+    p = per_device_batch(b, n)
+    valid_b = nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)
+    # with allow_uneven every m up to P runs; P can be 2**31: name the range, never list it
+    valid_m = _span(p) if allow_uneven else ", ".join(map(str, valid_micro_batch_sizes(b, n)))
+    sizes = f"the per-device batch {p} (batch_size {b} / num_devices {n})"
+    if m > p:
         raise LatticeError(
-            f"micro_batch_size {m} does not divide the per-device batch {per_device} "
-            f"(batch_size {b} / num_devices {n}); nearest valid batch_size for "
-            f"micro_batch_size {m}: {_below_above(below, above)}; valid micro_batch_size "
-            f"for batch_size {b}: {valid}"
+            f"micro_batch_size {m} exceeds {sizes}; {valid_b}; valid micro_batch_size for "
+            f"batch_size {b}: {valid_m}"
         )
+    if p % m and not allow_uneven:
+        raise LatticeError(
+            f"micro_batch_size {m} does not divide {sizes}; {valid_b}; valid micro_batch_size "
+            f"for batch_size {b}: {valid_m}" + _UNEVEN_HINT * offer_uneven
+        )
+
+
+def check_strict(batch_size: int, num_devices: int, micro_batch_size: int) -> None:
+    """Raise LatticeError naming the broken rule, both numbers and what would be valid."""
+    check_batch_size(batch_size, num_devices, micro_batch_size)
+    check_micro_batch_size(batch_size, num_devices, micro_batch_size)
+
+
+_UNEVEN_HINT = " (or set allow_uneven: true)"
+
+
+def _valid_devices_text(batch_size: int, micro_batch_size: int | None, allow_uneven: bool) -> str:
+    """The device counts that run ``batch_size`` with m (None: a mode chooses it), as a
+    phrase; empty where none does."""
+    b, m = batch_size, micro_batch_size
+    if allow_uneven:  # m <= ceil(B / n), that is n <= (B - 1) / (m - 1): a range from 1
+        most = b if not m or m == 1 else min(b, (b - 1) // (m - 1))
+        values = _span(most)
+    else:
+        values = ", ".join(map(str, valid_num_devices(b, m)))
+    for_m = f" and micro_batch_size {m}" if m else ""
+    return f"valid num_devices for batch_size {b}{for_m}: {values}" if values else ""
+
+
+def _span(most: int) -> str:
+    """1..most, named without listing it (empty where most < 1)."""
+    return "" if most < 1 else "1" if most == 1 else f"1..{most}"
 
 
 def _below_above(below: int | None, above: int) -> str:
@@ -193,11 +279,14 @@ def bubble_fraction(pipeline_stages: int, microbatches: int) -> float:
 
 @dataclass(frozen=True, order=True)
 class BatchConfig:
-    """One point of the lattice: (batch_size, num_devices, micro_batch_size)."""
+    """One point of the lattice: (batch_size, num_devices, micro_batch_size), and whether
+    the model recomputes its blocks' activations in the backward pass (a fourth dimension
+    of the search where the space lists it: it trades compute for memory)."""
 
     batch_size: int
     num_devices: int
     micro_batch_size: int
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if min(self.batch_size, self.num_devices, self.micro_batch_size) < 1:
@@ -236,30 +325,58 @@ class BatchConfig:
 
     def canonical(self) -> BatchConfig:
         """The same measurement, named by the micro-batch it really runs."""
-        return BatchConfig(self.batch_size, self.num_devices, self.canonical_micro_batch_size)
+        return BatchConfig(
+            self.batch_size,
+            self.num_devices,
+            self.canonical_micro_batch_size,
+            self.activation_checkpointing,
+        )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> BatchConfig:
-        """From a mapping with the three sizes (ints, or text as read from a CSV)."""
-        return cls(int(data["batch_size"]), int(data["num_devices"]), int(data["micro_batch_size"]))
+        """From a mapping with the three sizes (ints, or text as read from a CSV) and, where
+        it has one, ``activation_checkpointing`` (a bool, or text: true/false)."""
+        return cls(
+            int(data["batch_size"]),
+            int(data["num_devices"]),
+            int(data["micro_batch_size"]),
+            as_flag(data.get("activation_checkpointing", False)),
+        )
 
-    def sizes(self) -> dict[str, int]:
-        """The three sizes that name the configuration."""
-        return {
+    def sizes(self) -> dict[str, Any]:
+        """What names the configuration: the three sizes, and activation checkpointing
+        where it is on (so that a configuration without it reads as it always has)."""
+        named: dict[str, Any] = {
             "batch_size": self.batch_size,
             "num_devices": self.num_devices,
             "micro_batch_size": self.micro_batch_size,
         }
+        if self.activation_checkpointing:
+            named["activation_checkpointing"] = True
+        return named
 
-    def as_dict(self) -> dict[str, int]:
-        """The three sizes and what follows from them."""
+    def as_dict(self) -> dict[str, Any]:
+        """The three sizes, activation checkpointing, and what follows from them."""
         return {
             "batch_size": self.batch_size,
             "num_devices": self.num_devices,
             "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
             "per_device_batch": self.per_device_batch,
             "grad_accum_steps": self.grad_accum_steps,
         }
+
+
+def as_flag(value: Any) -> bool:
+    """A yes/no as a mapping or a CSV cell holds it: a bool, or the text true/false/1/0."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "1", "yes"):
+            return True
+        if text in ("false", "0", "no", ""):
+            return False
+        raise ValueError(f"expected true or false, got {value!r}")
+    return bool(value)
 
 
 def enumerate_configs(
@@ -352,5 +469,5 @@ def _range_micro_sizes(mode: int | str, micro_batch_sizes: Sequence[int] | None)
     return micro_batch_sizes
 
 
-def _order(c: BatchConfig) -> tuple[int, int, int]:
-    return (c.num_devices, c.batch_size, c.micro_batch_size)
+def _order(c: BatchConfig) -> tuple[int, int, int, bool]:
+    return (c.num_devices, c.batch_size, c.micro_batch_size, c.activation_checkpointing)

@@ -23,7 +23,7 @@ from mbtune import lattice
 from mbtune.confidence import Assessment, as_number, assess, observation
 from mbtune.lattice import BatchConfig
 
-__all__ = ["Recommendation", "Reporter"]
+__all__ = ["Recommendation", "Reporter", "step_words"]
 
 Row = Mapping[str, Any]
 
@@ -39,6 +39,9 @@ class Recommendation:
     samples_per_s: float | None
     estimated_performance: float
     confidence: int
+    precision: str | None = None
+    """The arithmetic the recommended configuration was measured with."""
+    mfu: float | None = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -49,6 +52,8 @@ class Recommendation:
             "objective": self.objective,
             "estimated_performance": self.estimated_performance,
             "confidence": self.confidence,
+            "precision": self.precision,
+            "mfu": self.mfu,
         }
 
     @classmethod
@@ -61,16 +66,28 @@ class Recommendation:
             samples_per_s=record.get("samples_per_s"),
             estimated_performance=float(record["estimated_performance"]),
             confidence=int(record["confidence"]),
+            precision=record.get("precision"),
+            mfu=as_number(record.get("mfu")),
         )
 
     def line(self) -> str:
         c = self.config
+        step = "".join(f", {s}" for s in step_words(self.precision, c.activation_checkpointing))
+        mfu = f", MFU {self.mfu:.0%}" if self.mfu is not None else ""
         return (
             f"mbtune {self.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
-            f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}), estimated "
-            f"performance: {self.estimated_performance:.2f}x base, confidence score: "
+            f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}{step}), estimated "
+            f"performance: {self.estimated_performance:.2f}x base{mfu}, confidence score: "
             f"{self.confidence} (out of 100)"
         )
+
+
+def step_words(precision: str | None, activation_checkpointing: bool) -> list[str]:
+    """How a step computes, in words: ['bf16', 'with activation checkpointing']."""
+    words = [precision] if precision else []
+    if activation_checkpointing:
+        words.append("with activation checkpointing")
+    return words
 
 
 class Reporter:
@@ -118,14 +135,17 @@ class Reporter:
         if a.recommended is None or a.value is None:
             return None
         base = _base(history) or a.value
+        best = _row_of(rows, a.recommended)
         rec = Recommendation(
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             trials=len(rows),
             config=a.recommended,
             objective=a.value,
-            samples_per_s=as_number(_row_of(rows, a.recommended).get("samples_per_s")),
+            samples_per_s=as_number(best.get("samples_per_s")),
             estimated_performance=round(a.value / base, 2),
             confidence=a.confidence,
+            precision=best.get("precision") or None,
+            mfu=as_number(best.get("mfu")),
         )
         return rec
 
@@ -204,8 +224,9 @@ def _brief(row: Row) -> dict[str, Any]:
     return {
         **BatchConfig.from_mapping(row).sizes(),
         "grad_accum_steps": int(row["grad_accum_steps"]) if row.get("grad_accum_steps") else None,
-        **{k: as_number(row.get(k)) for k in ("samples_per_s", "objective", "compile_s")},
+        **{k: as_number(row.get(k)) for k in ("samples_per_s", "objective", "compile_s", "mfu")},
         "peak_memory_bytes": int(peak) if peak is not None else None,
+        "precision": row.get("precision") or None,
     }
 
 

@@ -33,8 +33,8 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
-from mbtune.reporter import Reporter
+from mbtune.lattice import BatchConfig, as_flag
+from mbtune.reporter import Reporter, step_words
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -248,7 +248,7 @@ def _graceful_stop() -> Iterator[list[int]]:
 def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Reporter:
     return Reporter(
         points,
-        user_config=exp.train_input.config,
+        user_config=exp.user_config,
         user_batch_size=exp.train_input.batch_size,
         noise_floor=exp.noise_floor,
         global_objective=exp.search.objective == "samples_per_s",
@@ -511,10 +511,18 @@ def _trial_line(row: dict[str, Any]) -> str:
     speed = row.get("samples_per_s")
     figure = f"{float(speed):,.1f} samples/s" if speed not in (None, "") else "-"
     status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
+    step = "".join(
+        f", {w}"
+        for w in step_words(
+            row.get("precision"), as_flag(row.get("activation_checkpointing", False))
+        )
+    )
+    mfu = row.get("mfu")
+    figure += f", MFU {float(mfu):.0%}" if mfu not in (None, "") else ""
     return (
         f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  num_devices "
         f"{row['num_devices']}, batch_size {row['batch_size']}, micro_batch_size "
-        f"{row['micro_batch_size']}: {figure}  {status}"
+        f"{row['micro_batch_size']}{step}: {figure}  {status}"
     )
 
 
@@ -531,10 +539,15 @@ def _print_summary(outcome: SearchOutcome, echo: Any) -> None:
         if summary.get("speedup_over_user")
         else ""
     )
+    step = "".join(
+        f", {w}"
+        for w in step_words(best.get("precision"), best.get("activation_checkpointing", False))
+    )
+    mfu = f" (MFU {best['mfu']:.0%})" if best.get("mfu") is not None else ""
     echo(
         f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
-        f"{best['num_devices']}, batch_size {best['batch_size']} (grad_accum_steps "
-        f"{best['grad_accum_steps']}): {best['samples_per_s']:,.1f} samples/s, "
+        f"{best['num_devices']}, batch_size {best['batch_size']}{step} (grad_accum_steps "
+        f"{best['grad_accum_steps']}): {best['samples_per_s']:,.1f} samples/s{mfu}, "
         f"{summary['speedup_over_base']:.2f}x base{user}, confidence score "
         f"{summary['confidence']} (out of 100)"
     )

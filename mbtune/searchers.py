@@ -19,6 +19,7 @@ measured already is answered from the cache and the proposer asked again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -86,6 +87,7 @@ class OptunaSpace:
     """
 
     M_PARAM = "micro_batch_size_log2"
+    AC_PARAM = "activation_checkpointing"
 
     def __init__(self, points: Sequence[BatchConfig]) -> None:
         self.by_n: dict[int, list[int]] = defaultdict(list)
@@ -93,7 +95,11 @@ class OptunaSpace:
         for c in sorted(set(points)):
             if c.batch_size not in self.by_n[c.num_devices]:
                 self.by_n[c.num_devices].append(c.batch_size)
-            self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
+            if c.micro_batch_size not in self.by_nb[c.num_devices, c.batch_size]:
+                self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
+        self.checkpointing = sorted({c.activation_checkpointing for c in points})
+        """[False], [True] or [False, True]: the last a categorical parameter of its own
+        (every (B, n, m) of the lattice comes with each setting of the space)."""
         self.ns = sorted(self.by_n)
         self.log2_max = math.log2(max(max(ms) for ms in self.by_nb.values()))
 
@@ -111,19 +117,26 @@ class OptunaSpace:
         if self.log2_max > 0:
             params[self.M_PARAM] = math.log2(c.micro_batch_size)
             dists[self.M_PARAM] = optuna.distributions.FloatDistribution(0.0, self.log2_max)
+        if len(self.checkpointing) > 1:
+            params[self.AC_PARAM] = c.activation_checkpointing
+            dists[self.AC_PARAM] = optuna.distributions.CategoricalDistribution([False, True])
         return params, dists
 
     def decode(self, params: dict[str, Any]) -> BatchConfig:
         """The configuration that Optuna parameters (as :meth:`encode` gives) propose."""
         return BatchConfig.from_mapping(self(optuna.trial.FixedTrial(params)))
 
-    def __call__(self, trial: Any) -> dict[str, int]:
+    def __call__(self, trial: Any) -> dict[str, Any]:
         n = _pick(trial, "num_devices_index", self.ns)
         b = _pick(trial, f"batch_size_index_n{n}", self.by_n[n])
         ms = self.by_nb[n, b]
         x = trial.suggest_float(self.M_PARAM, 0.0, self.log2_max) if self.log2_max > 0 else 0.0
         m = min(ms, key=lambda m: abs(math.log2(m) - x))
-        return {"batch_size": b, "num_devices": n, "micro_batch_size": m}
+        if len(self.checkpointing) > 1:
+            checkpointing = trial.suggest_categorical(self.AC_PARAM, [False, True])
+        else:
+            checkpointing = self.checkpointing[0]
+        return BatchConfig(b, n, m, checkpointing).sizes()
 
 
 def _pick(trial: Any, name: str, values: list[int]) -> int:
@@ -326,10 +339,11 @@ class _LadderSearcher(_ListSearcher):
     """One ladder of micro-batch sizes per (devices, batch), climbed one rung at a time."""
 
     def ladders(self) -> list[list[BatchConfig]]:
-        by_nb: dict[tuple[int, int], list[BatchConfig]] = defaultdict(list)
+        """One per (devices, batch, activation checkpointing), in increasing m."""
+        by_nb: dict[tuple[int, int, bool], list[BatchConfig]] = defaultdict(list)
         for p in self.points:
-            by_nb[p.num_devices, p.batch_size].append(p)
-        return [by_nb[k] for k in sorted(by_nb)]
+            by_nb[p.num_devices, p.batch_size, p.activation_checkpointing].append(p)
+        return [sorted(by_nb[k]) for k in sorted(by_nb)]
 
     def next_point(self) -> BatchConfig | str | None:
         if self.pending:
@@ -415,7 +429,7 @@ class DedupSearcher(Searcher):
 
     def key(self, config: BatchConfig) -> BatchConfig:
         if self.full_batch_only:
-            config = BatchConfig(config.batch_size, config.num_devices, config.per_device_batch)
+            config = dataclasses.replace(config, micro_batch_size=config.per_device_batch)
         return config.canonical()
 
     def suggest(self, trial_id: str) -> dict | str | None:

@@ -37,7 +37,9 @@ from typing import Any
 from mbtune import lattice
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
+from mbtune.flops import count_flops_per_sample, peak_tflops, utilisation
 from mbtune.lattice import BatchConfig
+from mbtune.precision import for_device
 
 __all__ = [
     "STATUSES",
@@ -64,11 +66,15 @@ class TrialResult:
     num_devices: int
     micro_batch_size: int
     """The micro-batch size measured (after halving on OOM, or m = P for batch mixing)."""
+    activation_checkpointing: bool = False
     per_device_batch: int
     grad_accum_steps: int
     micro_batches: tuple[int, ...] = ()
     """The micro-batches one device runs per step, e.g. (4, 4) or (3, 2, 2)."""
     pipeline_stages: int = 1
+    precision: str | None = None
+    """The arithmetic measured (``trial.precision`` resolved on the device): ``fp32``,
+    ``tf32``, ``bf16`` or ``fp16``; None where nothing was measured."""
     samples_per_s: float | None = None
     """Global throughput: batch_size / median step time."""
     samples_per_s_per_device: float | None = None
@@ -89,7 +95,17 @@ class TrialResult:
     """Compile time: first steps minus their share of steady-state time; None: not compiled."""
     compile_fallback: str | None = None
     """Why compilation silently fell back to eager (recompile limit), if it did."""
+    flops_per_sample: float | None = None
+    """Model FLOPs of one sample's step (mbtune.flops: 3 x the counted forward pass)."""
+    tflops_per_s: float | None = None
+    """Achieved model TFLOP/s of one device."""
+    mfu: float | None = None
+    """tflops_per_s / the device's peak at this precision; None where the peak is unknown."""
     peak_memory_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    """CUDA: the caching allocator's peak reservation."""
+    alloc_retries: int | None = None
+    """CUDA: times the allocator freed its cache and retried during the timed steps."""
     eval_samples_per_s: float | None = None
     """Forward-only throughput at the same micro-batch size (``trial.eval``)."""
     micro_batch_sizes_tried: tuple[int, ...] = ()
@@ -108,7 +124,9 @@ class TrialResult:
 
     @property
     def config(self) -> BatchConfig:
-        return BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
+        return BatchConfig(
+            self.batch_size, self.num_devices, self.micro_batch_size, self.activation_checkpointing
+        )
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -179,7 +197,7 @@ def run_trial(
             )
         if result.status != "oom" or exp.trial.on_oom != "halve" or config.micro_batch_size == 1:
             break
-        config = BatchConfig(config.batch_size, config.num_devices, config.micro_batch_size // 2)
+        config = dataclasses.replace(config, micro_batch_size=config.micro_batch_size // 2)
     return dataclasses.replace(
         result, micro_batch_sizes_tried=tuple(tried), wall_s=time.perf_counter() - started
     )
@@ -204,11 +222,15 @@ def _measure_torch(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Tr
     # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(tr.device)
-    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
+    precision = for_device(tr.precision, device)
+    checkpointing = {"activation_checkpointing": True} if config.activation_checkpointing else {}
+    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed, **checkpointing)
     config, note = full_batch_if_mixing(spec, config)
-    base = _base_result(exp, config, device=str(device), note=note)
+    base = dataclasses.replace(
+        _base_result(exp, config, device=str(device), note=note), precision=precision.name
+    )
     try:
-        return _timed_steps(exp, config, spec, device, base, phase)
+        return _timed_steps(exp, config, spec, device, precision, base, phase)
     except Exception as exc:  # a failed trial is a recorded result
         oom = _find_oom(exc)
         if oom is not None:
@@ -227,17 +249,21 @@ def full_batch_if_mixing(spec: Any, config: BatchConfig) -> tuple[BatchConfig, s
         f"{spec.mixes_batch}; measured at micro_batch_size {config.per_device_batch} "
         "(no accumulation) instead"
     )
-    return BatchConfig(config.batch_size, config.num_devices, config.per_device_batch), note
+    return dataclasses.replace(config, micro_batch_size=config.per_device_batch), note
 
 
-def split_batch(data: tuple[Any, ...], sizes: list[int]) -> list[tuple[Any, ...]]:
-    """Consecutive micro-batches of the given sizes (views of ``data``, no copies)."""
+def split_batch(data: Any, sizes: list[int]) -> list[Any]:
+    """Consecutive micro-batches of the given sizes, each in the form of ``data`` (a
+    tensor, a tuple or list of tensors, or a mapping of names to tensors; see
+    mbtune.batch): views of ``data``, no copies."""
+    from mbtune.batch import slice_batch  # pure, like this module
+
     bounds = [0, *itertools.accumulate(sizes)]
-    return [tuple(t[a:b] for t in data) for a, b in itertools.pairwise(bounds)]
+    return [slice_batch(data, a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def accumulate_gradients(
-    loss_fn: Callable, model: Any, batches: list[tuple[Any, ...]], *, total: float | None = None
+    loss_fn: Callable, model: Any, batches: list[Any], *, total: float | None = None
 ) -> None:
     """One forward/backward pass per micro-batch, each mean loss weighted by its share.
 
@@ -245,11 +271,14 @@ def accumulate_gradients(
     accumulated gradient equals the full-batch gradient, uneven micro-batches included.
     ``total``: the samples the shares are of (default: these batches' own); a ddp rank
     passes B / n, so that DDP's average over ranks is the mean over all B samples.
+    Each micro-batch reaches ``loss_fn`` in the form ``make_batch`` returned.
     """
+    from mbtune.batch import num_samples
+
     if total is None:
-        total = sum(len(batch[0]) for batch in batches)
+        total = sum(num_samples(batch) for batch in batches)
     for batch in batches:
-        (loss_fn(model, batch) * (len(batch[0]) / total)).backward()
+        (loss_fn(model, batch) * (num_samples(batch) / total)).backward()
 
 
 def resolve_device(name: str) -> Any:
@@ -271,6 +300,7 @@ def _timed_steps(
     config: BatchConfig,
     spec: Any,
     device: Any,
+    precision: Any,
     base: TrialResult,
     phase: PhaseHook,
 ) -> TrialResult:
@@ -285,13 +315,18 @@ def _timed_steps(
     batches = split_batch(data, config.micro_batch_sizes)
     if tr.compile and tr.dynamic:
         _mark_batch_dynamic(batches)
+    # counted once, eagerly, before compiling and outside the timing
+    flops_per_sample = count_flops_per_sample(
+        spec.loss_fn, module, batches[0], config.micro_batch_sizes[0]
+    )
     model = _compile(module, tr) if tr.compile else module
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     grad_bytes = gradient_bytes(module)
+    loss_fn = precision.loss(spec.loss_fn)
 
     def step() -> None:
-        accumulate_gradients(spec.loss_fn, model, batches)
-        optimizer.step()
+        accumulate_gradients(loss_fn, model, batches)
+        precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     timed = device_timer(torch, device)
@@ -303,11 +338,15 @@ def _timed_steps(
         for k in range(tr.warmup_steps):
             phase("warm-up", k + 1, tr.warmup_steps)
             timed(step)
+        retries_before = _alloc_retries(torch, device)
         compute = []
         for k in range(tr.measure_steps):
             phase("timing", k + 1, tr.measure_steps)
             compute.append(timed(step))
-        eval_s = _eval_time(spec.loss_fn, model, batches, timed) if tr.eval else None
+        retries = _alloc_retries(torch, device)
+        eval_s = (
+            _eval_time(precision.loss(spec.loss_fn), model, batches, timed) if tr.eval else None
+        )
     peak = _peak_memory(torch, device)
 
     p = max(1, exp.train_input.pipeline_stages)
@@ -318,11 +357,25 @@ def _timed_steps(
     steps = [c / p * (1 + bubble_share) + comm for c in compute]
     compute_median = statistics.median(compute)
     result = _with_step_times(base, config, steps)
-    over = _over_budget(tr.device_memory, peak)
+    over = _over_budget(tr, _memory_budget(torch, device, tr.device_memory), peak)
+    tflops, mfu = utilisation(
+        flops_per_sample,
+        result.samples_per_s,
+        config.num_devices,
+        tr.peak_tflops or peak_tflops(_device_name(torch, device), precision.name),
+    )
+    if retries is not None:
+        retries -= retries_before
     return dataclasses.replace(
         result,
         status="oom" if over else "ok",
         reason=over,
+        note=_join(result.note, _retry_note(retries)),
+        flops_per_sample=flops_per_sample,
+        tflops_per_s=tflops,
+        mfu=mfu,
+        peak_reserved_bytes=_peak_reserved(torch, device),
+        alloc_retries=retries,
         tokens_per_s=result.samples_per_s * spec.tokens_per_sample
         if spec.tokens_per_sample
         else None,
@@ -444,6 +497,44 @@ def _peak_memory(torch: Any, device: Any) -> int | None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _peak_reserved(torch: Any, device: Any) -> int | None:
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
+def _alloc_retries(torch: Any, device: Any) -> int | None:
+    """CUDA: how often the allocator has freed its cache to retry an allocation so far."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def _retry_note(retries: int | None) -> str | None:
+    if not retries:
+        return None
+    return (
+        f"the CUDA allocator freed its cache and retried {retries} time(s) during the timed "
+        "steps: this configuration is at the edge of memory and may slow down or fail later "
+        "in training"
+    )
+
+
+def _memory_budget(torch: Any, device: Any, device_memory: int | None) -> int | None:
+    """``trial.device_memory``, else on CUDA the card's memory, else None (no budget)."""
+    if device_memory is not None:
+        return device_memory
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return None
+
+
+def _device_name(torch: Any, device: Any) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _join(*notes: str | None) -> str | None:
+    return "; ".join(n for n in notes if n) or None
+
+
 def _find_oom(exc: BaseException) -> BaseException | None:
     """The out-of-memory error in ``exc``'s chain (e.g. wrapped by a compile error), if any."""
     import torch
@@ -477,10 +568,11 @@ def _release(torch: Any, device: Any) -> None:
 
 class ReplayTable:
     """Measured throughputs read from a CSV: batch_size, num_devices, micro_batch_size,
-    samples_per_s, and optionally peak_memory_bytes and status."""
+    samples_per_s, and optionally peak_memory_bytes, status, activation_checkpointing
+    (true/false: a configuration of its own) and precision (what was measured)."""
 
     REQUIRED = ("batch_size", "num_devices", "micro_batch_size", "samples_per_s")
-    OPTIONAL = ("peak_memory_bytes", "status")
+    OPTIONAL = ("peak_memory_bytes", "status", "activation_checkpointing", "precision")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -508,6 +600,7 @@ class ReplayTable:
             speed = float(row["samples_per_s"]) if row["samples_per_s"] not in ("", None) else None
             peak = row.get("peak_memory_bytes")
             entry = {
+                "precision": (row.get("precision") or "").strip() or None,
                 "status": status,
                 "samples_per_s": speed,
                 "peak_memory_bytes": int(float(peak)) if peak not in ("", None) else None,
@@ -527,7 +620,8 @@ class ReplayTable:
         if row is None:
             raise MbtuneError(
                 f"trial.table: {self.path} has no row for batch_size {config.batch_size}, "
-                f"num_devices {config.num_devices}, micro_batch_size {config.micro_batch_size}; "
+                f"num_devices {config.num_devices}, micro_batch_size {config.micro_batch_size}"
+                f"{', activation_checkpointing true' if config.activation_checkpointing else ''}; "
                 f"it holds {len(self.rows)} configurations"
             )
         return row
@@ -546,10 +640,12 @@ def _replay(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> TrialResu
     row = table.lookup(config)
     base = _base_result(exp, config, device="replay", note=None)
     peak = row["peak_memory_bytes"]
-    base = dataclasses.replace(base, backend="replay", peak_memory_bytes=peak)
+    base = dataclasses.replace(
+        base, backend="replay", peak_memory_bytes=peak, precision=row["precision"]
+    )
     if row["status"] != "ok":
         return dataclasses.replace(base, status=row["status"], reason="as recorded in the table")
-    over = _over_budget(tr.device_memory, peak)
+    over = _over_budget(tr, tr.device_memory, peak)
     if over:
         return dataclasses.replace(base, status="oom", reason=over)
     # seeded per configuration, so a replayed trial is repeatable whatever ran before it
@@ -573,6 +669,7 @@ def _base_result(
         batch_size=config.batch_size,
         num_devices=config.num_devices,
         micro_batch_size=config.micro_batch_size,
+        activation_checkpointing=config.activation_checkpointing,
         per_device_batch=config.per_device_batch,
         grad_accum_steps=config.grad_accum_steps,
         micro_batches=tuple(config.micro_batch_sizes),
@@ -599,13 +696,25 @@ def _with_step_times(base: TrialResult, config: BatchConfig, steps: list[float])
     )
 
 
-def _over_budget(budget: int | None, peak: int | None) -> str | None:
-    """Why the peak memory means out of memory (``trial.device_memory``), or None."""
-    if budget is None or peak is None or peak <= budget:
+def _over_budget(tr: Any, budget: int | None, peak: int | None) -> str | None:
+    """Why the peak memory means out of memory, or None: a configuration fits when its peak
+    leaves ``trial.memory_headroom`` of the budget free (``trial.device_memory``, else a
+    CUDA card's memory)."""
+    if budget is None or peak is None:
         return None
+    headroom = tr.headroom(budget)
+    usable = budget * (1 - headroom)
+    if peak <= usable:
+        return None
+    source = "trial.device_memory" if tr.device_memory is not None else "the card's memory"
+    if peak <= budget:
+        return (
+            f"peak memory {peak / 2**20:.0f} MiB fits in the budget {source} "
+            f"{budget / 2**20:.0f} MiB but leaves less than trial.memory_headroom "
+            f"{headroom:g} of it free (at most {usable / 2**20:.0f} MiB)"
+        )
     return (
-        f"peak memory {peak / 2**20:.0f} MiB is above the budget trial.device_memory "
-        f"{budget / 2**20:.0f} MiB"
+        f"peak memory {peak / 2**20:.0f} MiB is above the budget {source} {budget / 2**20:.0f} MiB"
     )
 
 
