@@ -155,7 +155,8 @@ def nearest_batch_sizes_text(
     allow_uneven: bool = False,
 ) -> str:  # fmt: skip
     """'nearest valid batch_size for micro_batch_size 4: 96 (below) or 108 (above)', the
-    phrase every message uses; ``micro_batch_size`` None: a mode chooses m (any divides)."""
+    phrase every message uses; ``micro_batch_size`` None: a mode chooses m, so B need only
+    split evenly over n."""
     m = micro_batch_size or 1
     below, above = nearest_valid_batch_sizes(batch_size, num_devices, m, allow_uneven=allow_uneven)
     for_m = f" for micro_batch_size {micro_batch_size}" if micro_batch_size else ""

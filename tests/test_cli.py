@@ -50,6 +50,23 @@ def test_validate_shows_how_the_users_own_config_runs(capsys, tmp_path):
     assert "yours runs 2 devices x 4 micro-batches of 8" in out
 
 
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        (99, "stop at confidence 99, seed"),
+        (100, "never stops on confidence (runs to num_samples or the time budget), seed"),
+    ],
+)
+def test_validate_says_when_the_search_stops_on_confidence(capsys, tmp_path, target, says):
+    # the score is 0..99: a target of 100 was shown as "stop at confidence 100"
+    path = write(tmp_path, {**base(), "search": {"confidence_target": target}})
+    code, out, _ = run(capsys, "validate", path)
+    assert code == 0
+    assert [line for line in out.splitlines() if "objective" in line] == [
+        f"  search       sampler model, objective samples_per_s, up to 20 trials, {says} 0"
+    ]
+
+
 def test_space_json_lists_every_configuration(capsys):
     code, out, _ = run(capsys, "space", QUICKSTART, "--format", "json")
     data = json.loads(out)

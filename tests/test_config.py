@@ -203,10 +203,15 @@ BAD = [
     ({"train_input": {"batch_size": 64, "micro_batch_size": 5, "num_devices": 2}},
      r"^train_input\.micro_batch_size: micro_batch_size 5 does not divide the per-device "
      r"batch 32 .*60 \(below\) or 70 \(above\); valid micro_batch_size for batch_size 64: "
-     r"1, 2, 4, 8, 16, 32$"),
+     r"1, 2, 4, 8, 16, 32 \(or set allow_uneven: true\)$"),
+    # the nearest batch sizes are valid for the micro-batch size too (were 99 and 102)
+    ({"train_input": {"batch_size": 100, "num_csx": 3, "micro_batch_size": 4}},
+     r"^train_input\.batch_size: batch_size 100 is not divisible by num_devices 3; nearest "
+     r"valid batch_size for micro_batch_size 4: 96 \(below\) or 108 \(above\) \(or set "
+     r"allow_uneven: true\)$"),
     ({"train_input": {"batch_size": 65, "num_devices": 2}}, r"^train_input\.batch_size: "
      r"batch_size 65 is not divisible by num_devices 2; nearest valid batch_size: 64 \(below\)"
-     r" or 66 \(above\)"),
+     r" or 66 \(above\)$"),  # auto tries divisors of P only: allow_uneven is no way out
     ({"train_input": {"batch_size": 64, "num_csx": 2, "num_devices": 2}},
      r"^train_input\.num_csx: give num_devices or its Cerebras alias num_csx, not both"),
     ({"train_input": {"batch_size": 64, "micro_batch_size": "automatic"}},
@@ -254,7 +259,13 @@ BAD = [
     ({"name": "a b"}, r"^name: 'a b' is not a valid name"),
     ({"train_input": {"batch_size": 64, "micro_batch_size": "explore",
                       "pipeline_stages": 2}}, r"^train_input\.pipeline_stages: pipeline_stages "
-     r"2 cannot explore uneven micro-batches"),
+     r"2 cannot explore uneven micro-batches; set micro_batch_size: auto or none, or set "
+     r"pipeline_stages: 1$"),
+    ({"train_input": {"batch_size": 65, "num_devices": 2, "micro_batch_size": 4,
+                      "allow_uneven": True, "pipeline_stages": 2}},
+     r"^train_input\.allow_uneven: uneven splits cannot be pipelined: .*; set allow_uneven: "
+     r"false with nearest valid batch_size for micro_batch_size 4: 64 \(below\) or 72 "
+     r"\(above\), or set pipeline_stages: 1$"),
     ({"train_input": {"batch_size": 2**40}}, r"^train_input\.batch_size: .* out of range"),
 ]  # fmt: skip
 

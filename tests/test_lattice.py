@@ -1,5 +1,6 @@
 """The lattice math: exact values on hand-made cases, properties on random ones."""
 
+import re
 import sys
 
 import pytest
@@ -63,26 +64,92 @@ def test_valid_micro_batch_sizes():
     assert lattice.valid_micro_batch_sizes(1, 2) == []
 
 
+def test_valid_num_devices():
+    assert lattice.valid_num_devices(12) == [1, 2, 3, 4, 6, 12]
+    assert lattice.valid_num_devices(12, 4) == [1, 3]  # 12 / 4 = 3 micro-batches of 4 to share
+    assert lattice.valid_num_devices(12, 5) == []
+
+
 def test_nearest_valid_batch_sizes():
     assert lattice.nearest_valid_batch_sizes(64, 2, 5) == (60, 70)
     assert lattice.nearest_valid_batch_sizes(60, 2, 5) == (60, 60)
     assert lattice.nearest_valid_batch_sizes(3, 2, 4) == (None, 8)
+    assert lattice.nearest_valid_batch_sizes(100, 3, 4) == (96, 108)  # not 99 or 102
+
+
+def test_nearest_valid_batch_sizes_when_splits_may_be_uneven():
+    # any B >= n with m <= ceil(B / n): from n x (m - 1) + 1 on
+    assert lattice.nearest_valid_batch_sizes(7, 3, 4, allow_uneven=True) == (None, 10)
+    assert lattice.nearest_valid_batch_sizes(11, 3, 4, allow_uneven=True) == (11, 11)
+    assert lattice.nearest_valid_batch_sizes(2, 3, 1, allow_uneven=True) == (None, 3)
 
 
 def test_check_strict_names_rule_numbers_and_valid_values():
     with pytest.raises(
         LatticeError,
-        match=r"micro_batch_size 5 does not divide the per-device batch 32 \(batch_size 64 / "
+        match=r"^micro_batch_size 5 does not divide the per-device batch 32 \(batch_size 64 / "
         r"num_devices 2\); nearest valid batch_size for micro_batch_size 5: 60 \(below\) or "
-        r"70 \(above\); valid micro_batch_size for batch_size 64: 1, 2, 4, 8, 16, 32",
+        r"70 \(above\); valid micro_batch_size for batch_size 64: 1, 2, 4, 8, 16, 32$",
     ):
         lattice.check_strict(64, 2, 5)
-    with pytest.raises(LatticeError, match=r"batch_size 65 is not divisible by num_devices 2; "
-                       r"nearest valid batch_size: 64 \(below\) or 66 \(above\)"):  # fmt: skip
+    with pytest.raises(LatticeError, match=r"^batch_size 65 is not divisible by num_devices 2; "
+                       r"nearest valid batch_size for micro_batch_size 1: 64 \(below\) or 66 "
+                       r"\(above\)$"):  # fmt: skip
         lattice.check_strict(65, 2, 1)
-    with pytest.raises(LatticeError, match="batch_size 2 is smaller than num_devices 4"):
+    with pytest.raises(LatticeError, match=r"^batch_size 2 is smaller than num_devices 4: every "
+                       r"device needs at least one sample; nearest valid batch_size for "
+                       r"micro_batch_size 1: 4 \(above\); valid num_devices for batch_size 2 and "
+                       r"micro_batch_size 1: 1, 2$"):  # fmt: skip
         lattice.check_strict(2, 4, 1)
     lattice.check_strict(64, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        # the nearest batch sizes are multiples of n x m, whichever rule broke
+        ((100, 3, 4), "batch_size 100 is not divisible by num_devices 3; nearest valid batch_size "
+         "for micro_batch_size 4: 96 (below) or 108 (above) (or set allow_uneven: true)"),
+        ((87, 8, 4), "batch_size 87 is not divisible by num_devices 8; nearest valid batch_size "
+         "for micro_batch_size 4: 64 (below) or 96 (above) (or set allow_uneven: true)"),
+        # P = 3 < m = 7: allow_uneven would not help, so it is not offered
+        ((22, 8, 7), "batch_size 22 is not divisible by num_devices 8; nearest valid batch_size "
+         "for micro_batch_size 7: 56 (above)"),
+        ((65, 2, None), "batch_size 65 is not divisible by num_devices 2; nearest valid "
+         "batch_size: 64 (below) or 66 (above) (or set allow_uneven: true)"),
+        ((2, 4, 3), "batch_size 2 is smaller than num_devices 4: every device needs at least one "
+         "sample; nearest valid batch_size for micro_batch_size 3: 12 (above)"),
+        ((6, 8, None), "batch_size 6 is smaller than num_devices 8: every device needs at least "
+         "one sample; nearest valid batch_size: 8 (above); valid num_devices for batch_size 6: "
+         "1, 2, 3, 6"),
+    ],
+)  # fmt: skip
+def test_check_batch_size_names_values_that_pass_every_rule(sizes, message):
+    with pytest.raises(LatticeError, match=f"^{re.escape(message)}$"):
+        lattice.check_batch_size(*sizes, offer_uneven=True)
+
+
+@pytest.mark.parametrize(
+    ("check", "sizes", "message"),
+    [
+        (lattice.check_batch_size, (10, 12, 4), "batch_size 10 is smaller than num_devices 12: "
+         "every device needs at least one sample; nearest valid batch_size for micro_batch_size "
+         "4: 37 (above); valid num_devices for batch_size 10 and micro_batch_size 4: 1..3"),
+        (lattice.check_micro_batch_size, (10, 3, 8), "micro_batch_size 8 exceeds the per-device "
+         "batch 4 (batch_size 10 / num_devices 3); nearest valid batch_size for micro_batch_size "
+         "8: 22 (above); valid micro_batch_size for batch_size 10: 1..4"),
+    ],
+)  # fmt: skip
+def test_uneven_splits_name_ranges_of_valid_values(check, sizes, message):
+    with pytest.raises(LatticeError, match=f"^{re.escape(message)}$"):
+        check(*sizes, allow_uneven=True)
+    lattice.check_micro_batch_size(10, 3, 3, allow_uneven=True)
+
+
+def test_a_huge_batch_is_named_as_a_range_not_listed():
+    with pytest.raises(LatticeError, match=r"valid micro_batch_size for batch_size 2147483647: "
+                       r"1\.\.2147483647$"):  # fmt: skip
+        lattice.check_micro_batch_size(2**31 - 1, 1, 2**31, allow_uneven=True)
 
 
 # -- pipelines --------------------------------------------------------------------
@@ -184,6 +251,19 @@ def test_nearest_valid_batch_sizes_are_valid_and_nothing_lies_between(b, n, m):
         assert lattice.is_strictly_valid(below, n, m) and below <= b
     lo = below if below is not None else 0
     assert not any(lattice.is_strictly_valid(x, n, m) for x in range(lo + 1, above) if x != b)
+
+
+@given(b=sizes, n=st.integers(1, 16), m=st.integers(1, 64))
+def test_nearest_uneven_batch_sizes_are_the_smallest_that_run(b, n, m):
+    below, above = lattice.nearest_valid_batch_sizes(b, n, m, allow_uneven=True)
+    runs = [x for x in range(1, above + 1) if x >= n and m <= lattice.per_device_batch(x, n)]
+    assert (below, above) == ((b, b) if b in runs else (None, runs[0]))
+
+
+@given(b=sizes, m=st.one_of(st.none(), st.integers(1, 64)))
+def test_valid_num_devices_are_exactly_the_strict_ones(b, m):
+    valid = lattice.valid_num_devices(b, m)
+    assert valid == [n for n in range(1, b + 1) if lattice.is_strictly_valid(b, n, m or 1)]
 
 
 @given(b=sizes, n=st.integers(1, 16))
