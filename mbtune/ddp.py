@@ -46,7 +46,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mbtune.config import Experiment
+from mbtune.flops import count_flops_per_sample, peak_tflops, utilisation
 from mbtune.lattice import BatchConfig, even_split
+from mbtune.precision import for_device
 from mbtune.trial import (
     TrialResult,
     _base_result,
@@ -278,17 +280,27 @@ def _short(text: str) -> str:
 def _result(exp: Experiment, config: BatchConfig, out: dict[str, Any]) -> TrialResult:
     """The TrialResult from what rank 0 returned (every rank's figures, the slowest taken)."""
     tr = exp.trial
-    measured = BatchConfig(config.batch_size, config.num_devices, out["micro_batch_size"])
+    measured = dataclasses.replace(config, micro_batch_size=out["micro_batch_size"])
     base = _base_result(exp, measured, device=out["device"], note=out["note"])
-    base = dataclasses.replace(base, peak_memory_bytes=out["peak_memory_bytes"])
+    base = dataclasses.replace(
+        base, peak_memory_bytes=out["peak_memory_bytes"], precision=out.get("precision")
+    )
     if not out["step_s"]:
         return dataclasses.replace(base, status=out["status"], reason=out["reason"])
     result = _with_step_times(base, measured, out["step_s"])
     compute = statistics.median(out["compute_s"]) if out["compute_s"] else None
     comm = statistics.median(out["comm_s"]) if out["comm_s"] else 0.0
     tokens = out["tokens_per_sample"]
+    flops = out.get("flops_per_sample")
+    peak = tr.peak_tflops or (
+        peak_tflops(out.get("device_name", ""), out["precision"]) if out.get("precision") else None
+    )
+    tflops, mfu = utilisation(flops, result.samples_per_s, config.num_devices, peak)
     return dataclasses.replace(
         result,
+        flops_per_sample=flops,
+        tflops_per_s=tflops,
+        mfu=mfu,
         status=out["status"],
         reason=out["reason"],
         tokens_per_s=result.samples_per_s * tokens if tokens else None,
@@ -402,13 +414,18 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
     cuda = device.type == "cuda"
 
     # 1. build the model, its optimizer and this rank's data (local: a failure is agreed on)
-    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed)
+    precision = for_device(tr.precision, device)
+    checkpointing = {"activation_checkpointing": True} if config.activation_checkpointing else {}
+    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed, **checkpointing)
     config, note = full_batch_if_mixing(spec, config)
+    loss_fn = precision.loss(spec.loss_fn)
     out: dict[str, Any] = {
         "status": "ok", "reason": None, "note": note, "micro_batch_size":
         config.micro_batch_size, "device": device.type, "first_s": 0.0, "step_s": [],
         "compute_s": [], "comm_s": [], "eval_s": None, "peak_memory_bytes": None,
         "tokens_per_sample": spec.tokens_per_sample, "compile_fallback": None,
+        "precision": precision.name, "flops_per_sample": None,
+        "device_name": torch.cuda.get_device_name(device) if cuda else device.type,
     }  # fmt: skip
     share = config.batch_size / config.num_devices  # each micro-batch's loss is a share of it
     failure: BaseException | None = None
@@ -418,6 +435,9 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
         torch.manual_seed(exp.search.seed + ranks.rank)  # each rank its own samples
         data = spec.make_batch(sum(rank_micro_batches(config, ranks.rank)), device)
         batches = split_batch(data, rank_micro_batches(config, ranks.rank))
+        out["flops_per_sample"] = count_flops_per_sample(
+            spec.loss_fn, module, batches[0], rank_micro_batches(config, ranks.rank)[0]
+        )
         if tr.compile and tr.dynamic:
             _mark_batch_dynamic(batches)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
@@ -439,17 +459,17 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
 
     def local_step(*, keep_weights: bool = False) -> None:
         with ddp.no_sync():
-            accumulate_gradients(spec.loss_fn, model, batches, total=share)
+            accumulate_gradients(loss_fn, model, batches, total=share)
         if keep_weights:  # zero gradients: every rank's weights stay equal
             for p in params:
                 if p.grad is not None:
                     p.grad.zero_()
-        optimizer.step()
+        precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     def step() -> None:
-        ddp_accumulate(spec.loss_fn, model, ddp, batches, total=share)
-        optimizer.step()
+        ddp_accumulate(loss_fn, model, ddp, batches, total=share)
+        precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     with _fallback_watch() as fallback:
@@ -464,7 +484,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
         _reset_peak(torch, device)
 
         def over_budget() -> str | None:
-            return _over_budget(tr.device_memory, _peak_memory(torch, device))
+            return _over_budget(tr, tr.device_memory, _peak_memory(torch, device))
 
         # 3. warm-up and timed steps, each started on every rank together
         verdict = None
