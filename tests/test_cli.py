@@ -196,7 +196,7 @@ def test_analyze_prints_the_ranked_trials_the_failed_ones_and_the_pivot(capsys, 
     assert lines[0] == f"{path}: 'handmade', 6 trials (4 ok, 1 error, 1 oom); status confident"
     assert lines[1] == (
         "recommended (summary.json, confidence 92): num_devices 2, batch_size 32, "
-        "micro_batch_size 8 (2 micro-batches per device): 630.0 samples/s"
+        "micro_batch_size 8 (2 micro-batches per device, fp32): 630.0 samples/s"
     )
     ranked = lines[lines.index("trials, best first by samples_per_s:") + 2 :][:4]
     assert [row.split()[:5] for row in ranked] == [

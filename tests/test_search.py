@@ -243,3 +243,36 @@ def test_the_callbacks_still_pickle_once_ray_has_replaced_print(tmp_path, monkey
     assert restored.log.echo is _echo and restored.target == 90
     with pytest.raises(pickle.PicklingError, match="not the same object as builtins.print"):
         cloudpickle.dumps(original)  # what the search held before: its state was not saved
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("sampler", ["model", "grid"])
+def test_a_search_over_activation_checkpointing_recommends_one_setting(
+    ray_session, tmp_path, sampler
+):
+    # without checkpointing m >= 16 runs out of memory; with it m = 32 fits and is fastest
+    from pathlib import Path
+
+    table = Path(__file__).parent.parent / "experiments" / "tables" / "checkpointing.csv"
+    exp = parse_experiment(
+        {
+            "name": "ac",
+            "model": "mlp",
+            "train_input": {"batch_size": 32, "micro_batch_size": "auto"},
+            "search": {"space": {"activation_checkpointing": [False, True]}, "sampler": sampler,
+                       "confidence_target": 100},
+            "trial": {"backend": "replay", "table": str(table)},
+            "output_dir": str(tmp_path / "runs"),
+        }
+    )  # fmt: skip
+    assert len(exp.configs()) == 12
+    lines: list[str] = []
+    outcome = run_search(exp, echo=lines.append)
+    rows = outcome.rows
+    measured = {BatchConfig.from_mapping(r) for r in rows}
+    assert len(measured) == len(rows)  # no configuration measured twice
+    assert any(c.activation_checkpointing for c in measured)
+    best = outcome.summary["recommended"]
+    assert (best["micro_batch_size"], best.get("activation_checkpointing")) == (32, True)
+    assert any("with activation checkpointing" in line for line in lines)
+    assert {r["activation_checkpointing"] for r in rows} <= {"True", "False"}
