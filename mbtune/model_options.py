@@ -1,15 +1,29 @@
-"""The built-in models' options, checked without importing torch (the driver of a search
-validates an experiment but never builds its model)."""
+"""Model options checked without importing torch (the driver of a search validates an
+experiment but never builds its model): the built-ins' options, the keys mbtune reserves
+for itself under an ``hf:`` model and under a user model, and the ``hf:`` name."""
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from mbtune.errors import MbtuneError
 
-__all__ = ["MODEL_OPTIONS", "ModelError", "check_options", "did_you_mean"]
+__all__ = [
+    "HF_NAMES",
+    "HF_PREFIX",
+    "HF_TASKS",
+    "MODEL_OPTIONS",
+    "ModelError",
+    "check_options",
+    "did_you_mean",
+    "hf_model_type",
+    "split_hf_options",
+    "split_user_options",
+]
 
 
 class ModelError(MbtuneError):
@@ -26,6 +40,29 @@ MODEL_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
     }
 )
 """For each built-in model, its option names and default values."""
+
+HF_PREFIX = "hf:"
+"""``model.name: hf:<model_type>`` builds a Hugging Face transformers model."""
+
+HF_TASKS: Mapping[str, str] = MappingProxyType(
+    {
+        "causal-lm": "AutoModelForCausalLM",
+        "masked-lm": "AutoModelForMaskedLM",
+        "seq-classification": "AutoModelForSequenceClassification",
+        "seq2seq-lm": "AutoModelForSeq2SeqLM",
+        "image-classification": "AutoModelForImageClassification",
+    }
+)
+"""``model.task`` of an ``hf:`` model -> the transformers auto class that builds it."""
+
+HF_NAMES = "hf:<model_type> for a Hugging Face transformers model (e.g. hf:gpt2)"
+"""How an error lists the ``hf:`` names among the valid ones."""
+
+HF_RESERVED = ("task", "seq_len", "pretrained")
+"""Keys under an ``hf:`` model that mbtune reads; every other key goes to the config."""
+
+_HF_MODEL_TYPE = re.compile(r"[A-Za-z0-9][\w.-]*")
+_CLASS_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
@@ -53,8 +90,7 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
                 )
             checked[key] = float(value)
         else:
-            # a size: bool is an int to Python, but `n_layer: true` is a mistake
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_size(value):
                 raise ModelError(
                     f"model.{key}: must be a positive integer, got {value!r}; "
                     f"the default is {default!r}"
@@ -71,7 +107,74 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
     return checked
 
 
+def _is_size(value: object) -> bool:
+    # a positive int: bool is an int to Python, but `n_layer: true` is a mistake
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def did_you_mean(word: str, choices) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def hf_model_type(name: str) -> str | None:
+    """The model type of ``hf:<model_type>`` (None for a name without the prefix)."""
+    if not name.startswith(HF_PREFIX):
+        return None
+    model_type = name[len(HF_PREFIX) :]
+    if not _HF_MODEL_TYPE.fullmatch(model_type):
+        raise ModelError(
+            f"model.name: {name!r} names no Hugging Face model type; expected hf:<model_type>, "
+            "e.g. hf:gpt2, hf:llama, hf:bert, hf:t5"
+        )
+    return model_type
+
+
+def split_hf_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An ``hf:`` model's options as (mbtune's own: task, seq_len, pretrained; the
+    transformers config's: every other key), mbtune's own checked (ModelError)."""
+    own = {k: v for k, v in options.items() if k in HF_RESERVED}
+    config = {k: v for k, v in options.items() if k not in HF_RESERVED}
+    if "checkpoint_blocks" in config:
+        raise ModelError(
+            "model.checkpoint_blocks: only for user models; an hf: model checkpoints its own "
+            "layers (transformers' gradient_checkpointing_enable) when "
+            "trial.activation_checkpointing is on"
+        )
+    task = own.get("task")
+    if task is not None and task not in HF_TASKS:
+        raise ModelError(
+            f"model.task: unknown task {task!r}; valid: {', '.join(HF_TASKS)}"
+            f"{did_you_mean(str(task), HF_TASKS)}"
+        )
+    seq_len = own.get("seq_len")
+    if seq_len is not None and not _is_size(seq_len):
+        raise ModelError(f"model.seq_len: must be a positive integer, got {seq_len!r}")
+    pretrained = own.get("pretrained")
+    if pretrained is not None and (not isinstance(pretrained, str) or not pretrained.strip()):
+        raise ModelError(
+            f"model.pretrained: must be the path of a local model directory (holding its "
+            f"config.json), got {pretrained!r}"
+        )
+    return own, config
+
+
+def split_user_options(options: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """A user model's options as (the class names of ``model.checkpoint_blocks``, checked;
+    the keyword arguments for the user's function: every other key)."""
+    passed = {k: v for k, v in options.items() if k != "checkpoint_blocks"}
+    if "checkpoint_blocks" not in options:
+        return (), passed
+    value = options["checkpoint_blocks"]
+    names = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(c, str) and _CLASS_NAME.fullmatch(c) for c in names)
+    ):
+        raise ModelError(
+            f"model.checkpoint_blocks: must be the class name of the model's repeated block "
+            f"(e.g. Block), or a list of class names, got {value!r}"
+        )
+    return tuple(names), passed

@@ -1,7 +1,8 @@
 """The model zoo a trial measures: three small built-ins and the user's own models.
 
 A model is a `ModelSpec`: the module, a function that makes a synthetic batch of n
-samples directly on the device, and a loss that is the MEAN over the samples of the
+samples directly on the device (a tensor, a tuple or list of tensors, or a mapping of
+names to tensors; see mbtune.batch), and a loss that is the MEAN over the samples of the
 batch. The trial scales each micro-batch loss by (micro-batch samples / P), so the
 accumulated gradient equals the full-batch gradient exactly, unless the model mixes the
 samples of a batch (BatchNorm, in-batch negatives): `ModelSpec.mixes_batch` says why.
@@ -12,8 +13,14 @@ Built-ins (small by default so CPU tests are fast, scalable through options):
     mlp     stack of Linear + ReLU layers, classification
     cnn_bn  small CNN with BatchNorm2d, classification (mixes the batch)
 
-User models are named `package.module:function`; see `experiments/user_model.py` for
-the contract and an example.
+Hugging Face transformers models are named `hf:<model_type>` (see mbtune.hf). User
+models are named `package.module:function`; see `experiments/user_model.py` for the
+contract and an example.
+
+Activation checkpointing (`build_model(..., activation_checkpointing=True)`) recomputes
+each block's activations in the backward pass instead of keeping them: gpt's transformer
+blocks, an hf: model's own layers (transformers' gradient checkpointing), and a user
+model's blocks named by `model.checkpoint_blocks`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import math
 import os
 import re
 import sys
+import types
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -32,8 +41,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
-from mbtune.model_options import MODEL_OPTIONS, ModelError, check_options, did_you_mean
+from mbtune.batch import batch_tensors, slice_batch
+from mbtune.model_options import (
+    HF_NAMES,
+    MODEL_OPTIONS,
+    ModelError,
+    check_options,
+    did_you_mean,
+    hf_model_type,
+    split_user_options,
+)
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -49,7 +68,7 @@ __all__ = [
     "slice_batch",
 ]
 
-Batch = tuple[torch.Tensor, ...]
+Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | Mapping[str, torch.Tensor]
 MakeBatch = Callable[[int, torch.device], Batch]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -57,10 +76,11 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 # its loss is not a sum over samples, e.g. "the loss uses in-batch negatives"
 MIXES_BATCH_ATTR = "mbtune_mixes_batch"
 
+_BATCH_FORMS = "a tensor, a tuple or list of tensors, or a mapping of names to tensors"
 _USER_CONTRACT = (
     "expected package.module:function where function(**options) returns "
     "(module, make_batch, loss): module a torch.nn.Module, make_batch(n, device) -> "
-    "tensor or tuple of tensors with leading dimension n, loss(module, batch) -> "
+    f"{_BATCH_FORMS}, each with leading dimension n, loss(module, batch) -> "
     "scalar mean loss over the samples"
 )
 _USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -74,11 +94,13 @@ class ModelSpec:
     """The model, on the CPU and in training mode; the trial moves and compiles it."""
 
     make_batch: MakeBatch
-    """make_batch(n, device) -> tuple of tensors, dim 0 = sample, created on `device`
-    from torch's global RNG (the trial seeds it)."""
+    """make_batch(n, device) -> a tensor, a tuple or list of tensors, or a mapping of names
+    to tensors, dim 0 = sample, created on `device` from torch's global RNG (the trial
+    seeds it)."""
 
     loss_fn: LossFn
-    """loss_fn(module, batch) -> scalar MEAN loss over the samples of the batch."""
+    """loss_fn(module, batch) -> scalar MEAN loss over the samples of the batch, which
+    comes in the form make_batch returned (a micro-batch too: mbtune.batch.slice_batch)."""
 
     tokens_per_sample: int | None
     """seq_len for language models (for tokens/s), None otherwise."""
@@ -316,28 +338,68 @@ BUILTIN_MODELS: dict[str, tuple[Callable[..., ModelSpec], Mapping[str, object]]]
 }
 """name -> (builder, default options); builder(**options) -> ModelSpec."""
 
+_BUILTIN_BLOCKS: dict[str, type[nn.Module]] = {"gpt": Block}
+"""The built-ins that can checkpoint activations -> the block each checkpoints."""
+
 
 # -----------------------------------------------------------------------------
 # public functions
 
 
-def build_model(name: str, options: Mapping[str, object], *, seed: int = 0) -> ModelSpec:
-    """Build the model `name` (a built-in or `package.module:function`) with `options`.
+def build_model(
+    name: str,
+    options: Mapping[str, object],
+    *,
+    seed: int = 0,
+    activation_checkpointing: bool = False,
+) -> ModelSpec:
+    """Build the model `name` (a built-in, `hf:<model_type>` or `package.module:function`)
+    with `options`; with `activation_checkpointing`, its blocks recompute their
+    activations in the backward pass (ModelError where the model has none to name).
 
     Weights are reproducible: torch's global RNG is seeded with `seed` first.
     """
     if not isinstance(name, str):
         raise ModelError(f"model.name: must be a string, got {name!r}; {_valid_names()}")
     options = dict(options)
+    model_type = hf_model_type(name)
+    if model_type is not None:
+        from mbtune.hf import build_hf_model  # imports transformers, an optional extra
+
+        return build_hf_model(
+            model_type, options, seed=seed, activation_checkpointing=activation_checkpointing
+        )
     if name in BUILTIN_MODELS:
         builder, _ = BUILTIN_MODELS[name]
         kwargs = check_options(name, options)
+        if activation_checkpointing and name not in _BUILTIN_BLOCKS:
+            raise ModelError(
+                f"trial.activation_checkpointing: the built-in model {name!r} has no blocks "
+                "to checkpoint; turn it off, or measure gpt, an hf: model, or your own model "
+                "with model.checkpoint_blocks"
+            )
         torch.manual_seed(seed)
-        return builder(**kwargs)
+        spec = builder(**kwargs)
+        if activation_checkpointing:
+            checkpoint_blocks(spec.module, (_BUILTIN_BLOCKS[name].__name__,))
+        return spec
     if ":" in name:
-        return _build_user_model(name, options, seed=seed)
+        return _build_user_model(
+            name, options, seed=seed, activation_checkpointing=activation_checkpointing
+        )
     hint = did_you_mean(name, BUILTIN_MODELS)
-    raise ModelError(f"model.name: unknown model {name!r}; {_valid_names()}{hint}")
+    raise ModelError(f"model.name: unknown model {name!r}; {_valid_names()}{hint}; or {HF_NAMES}")
+
+
+def checkpoint_blocks(module: nn.Module, class_names: tuple[str, ...]) -> int:
+    """Checkpoint every submodule of `module` whose class is named in `class_names`: in
+    training, its forward keeps only its inputs for the backward pass and recomputes the
+    rest there (torch.utils.checkpoint, non-reentrant). Returns how many it wraps."""
+    blocks = [sub for sub in module.modules() if type(sub).__name__ in class_names]
+    for block in blocks:
+        # a bound method, not a closure: a deep copy of the module checkpoints its own blocks
+        block.forward = types.MethodType(_checkpointed_forward, block)
+    return len(blocks)
 
 
 def batch_mixing_reason(module: nn.Module) -> str | None:
@@ -376,17 +438,6 @@ def batch_mixing_reason(module: nn.Module) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
-def slice_batch(batch: tuple[torch.Tensor, ...], start: int, stop: int) -> tuple[torch.Tensor, ...]:
-    """Samples [start, stop) of every tensor of `batch` (views, no copy)."""
-    n = batch[0].shape[0] if batch else 0
-    if not 0 <= start < stop <= n:
-        raise ValueError(
-            f"slice_batch: need 0 <= start < stop <= {n} (the batch has {n} samples), "
-            f"got start={start}, stop={stop}"
-        )
-    return tuple(t[start:stop] for t in batch)
-
-
 # -----------------------------------------------------------------------------
 # helpers
 
@@ -395,12 +446,21 @@ def _valid_names() -> str:
     return f"valid: {', '.join(BUILTIN_MODELS)}, or package.module:function"
 
 
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    forward = type(self).forward
+    if self.training and torch.is_grad_enabled():
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    return forward(self, *args, **kwargs)  # evaluation keeps nothing for a backward pass
+
+
 def _one_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> ModelSpec:
+def _build_user_model(
+    name: str, options: dict[str, object], *, seed: int, activation_checkpointing: bool
+) -> ModelSpec:
     if not _USER_NAME.match(name):
         raise ModelError(
             f"model.name: {name!r} is not of the form package.module:function; {_valid_names()}"
@@ -431,6 +491,7 @@ def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> Mo
         raise ModelError(
             f"model.name: {name!r} is a {type(function).__name__}, not a function; {_USER_CONTRACT}"
         )
+    block_names, options = split_user_options(options)
     _check_user_options(name, function, options)
 
     torch.manual_seed(seed)
@@ -440,12 +501,13 @@ def _build_user_model(name: str, options: dict[str, object], *, seed: int) -> Mo
         raise ModelError(f"model.name: {name!r} raised {_one_line(exc)}") from exc
 
     module, make_batch, loss_fn = _check_user_return(name, returned)
+    _checkpoint_user_blocks(name, module, block_names, asked=activation_checkpointing)
 
     # one small batch, now, so a broken make_batch fails here and not in every trial;
     # on a forked RNG, so that validating does not shift the caller's random stream
     with torch.random.fork_rng(devices=[]):
         try:
-            _as_batch(make_batch(2, torch.device("cpu")), 2, name)
+            _check_batch(make_batch(2, torch.device("cpu")), 2, name)
         except ModelError:
             raise
         except Exception as exc:
@@ -500,27 +562,65 @@ def _check_user_return(name: str, returned: object) -> tuple[nn.Module, Callable
     return module, make_batch, loss_fn
 
 
-def _as_batch(value: object, n: int, name: str) -> Batch:
-    """The user's batch as a tuple of tensors, each with leading dimension n."""
-    tensors = (value,) if isinstance(value, torch.Tensor) else value
-    if (
-        not isinstance(tensors, (tuple, list))
-        or not tensors
-        or not all(isinstance(t, torch.Tensor) for t in tensors)
-    ):
-        raise ModelError(
-            f"model.name: make_batch({n}, device) from {name!r} returned a "
-            f"{type(value).__name__}; expected a tensor or a tuple of tensors with leading "
-            f"dimension {n}"
-        )
+def _check_batch(value: object, n: int, name: str) -> Batch:
+    """The user's batch, unchanged, once it is checked: a tensor, a tuple or list of
+    tensors, or a mapping of names to tensors, each with leading dimension n."""
+    where = f"model.name: make_batch({n}, device) from {name!r} returned"
+    expected = f"expected {_BATCH_FORMS}, each with leading dimension {n}"
+    if isinstance(value, Mapping):
+        for key, t in value.items():
+            if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+                raise ModelError(
+                    f"{where} a {type(value).__name__} whose {key!r} is a "
+                    f"{type(t).__name__}, not a tensor named by a string; {expected}"
+                )
+    elif isinstance(value, (tuple, list)):
+        for i, t in enumerate(value):
+            if not isinstance(t, torch.Tensor):
+                raise ModelError(
+                    f"{where} a {type(value).__name__} whose item {i} is a "
+                    f"{type(t).__name__}, not a tensor; {expected}"
+                )
+    elif not isinstance(value, torch.Tensor):
+        raise ModelError(f"{where} a {type(value).__name__}; {expected}")
+    tensors = batch_tensors(value)
+    if not tensors:
+        raise ModelError(f"{where} an empty {type(value).__name__}; {expected}")
     if any(t.dim() == 0 or t.shape[0] != n for t in tensors):
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
         raise ModelError(
-            f"model.name: make_batch({n}, device) from {name!r} returned tensors of shapes "
-            f"{shapes}; every tensor must have leading dimension {n} (one row per sample)"
+            f"{where} tensors of shapes {shapes}; every tensor must have leading "
+            f"dimension {n} (one row per sample)"
         )
-    return tuple(tensors)
+    return value
 
 
 def _user_batch(make_batch: Callable, name: str, n: int, device: torch.device) -> Batch:
-    return _as_batch(make_batch(n, device), n, name)
+    return _check_batch(make_batch(n, device), n, name)
+
+
+def _checkpoint_user_blocks(
+    name: str, module: nn.Module, block_names: tuple[str, ...], *, asked: bool
+) -> None:
+    """Checkpoint the blocks `model.checkpoint_blocks` names, if asked; a name that matches
+    no submodule fails either way (a search may turn checkpointing on later)."""
+    prefix = "trial.activation_checkpointing" if asked else "model.checkpoint_blocks"
+    repeated = Counter(type(sub).__name__ for sub in module.modules() if any(sub.children()))
+    blocks = ", ".join(f"{c} (x{k})" for c, k in repeated.most_common(4) if k > 1) or "none"
+    if not block_names:
+        if asked:
+            raise ModelError(
+                f"{prefix}: user model {name!r} does not say what to checkpoint; set "
+                "model.checkpoint_blocks to the class name of its repeated block "
+                f"(its repeated submodules: {blocks}), or turn checkpointing off"
+            )
+        return
+    classes = {type(sub).__name__ for sub in module.modules()}
+    for block in block_names:
+        if block not in classes:
+            raise ModelError(
+                f"{prefix}: model.checkpoint_blocks {block!r} matches no submodule of "
+                f"{name!r}{did_you_mean(block, classes)}; its repeated submodules: {blocks}"
+            )
+    if asked:
+        checkpoint_blocks(module, block_names)

@@ -1,5 +1,6 @@
 """Tests for mbtune.models: the built-ins, user models, batch mixing, exact accumulation."""
 
+import copy
 import sys
 import textwrap
 import uuid
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mbtune.batch import num_samples
 from mbtune.models import (
     BUILTIN_MODELS,
     MODEL_OPTIONS,
@@ -18,6 +20,7 @@ from mbtune.models import (
     build_model,
     slice_batch,
 )
+from mbtune.trial import accumulate_gradients, split_batch
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -222,7 +225,7 @@ def test_user_module_declaring_mixing_is_detected(user_module):
         def build():
             module = nn.Linear(4, 1)
             module.mbtune_mixes_batch = "the loss compares every pair of samples in the batch"
-            return module, lambda n, d: torch.randn(n, 4, device=d), lambda m, b: m(b[0]).mean()
+            return module, lambda n, d: torch.randn(n, 4, device=d), lambda m, b: m(b).mean()
         """
     )
     spec = build_model(f"{name}:build", {})
@@ -239,19 +242,15 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _full_and_accumulated_grads(spec: ModelSpec, batch, sizes):
-    """Gradients of the full-batch loss, and of sum(loss(micro) * len(micro) / P)."""
-    module, P = spec.module, batch[0].shape[0]
+    """Gradients of the full-batch loss, and of the trial's accumulation over micro-batches
+    of ``sizes`` (sum of loss(micro) * len(micro) / P)."""
+    module = spec.module
     module.zero_grad()
     spec.loss_fn(module, batch).backward()
     full = _grads(module)
 
     module.zero_grad()
-    start = 0
-    for size in sizes:
-        micro = slice_batch(batch, start, start + size)
-        (spec.loss_fn(module, micro) * (size / P)).backward()
-        start += size
-    assert start == P
+    accumulate_gradients(spec.loss_fn, module, split_batch(batch, list(sizes)))
     return full, _grads(module)
 
 
@@ -279,6 +278,58 @@ def test_cnn_bn_accumulated_gradient_differs_which_is_why_it_is_detected(sizes):
     full, accumulated = _full_and_accumulated_grads(spec, batch, sizes)
     worst = max((accumulated[k] - full[k]).abs().max().item() for k in full)
     assert worst > 1e-3
+
+
+# --- every batch form: the loss gets micro-batches in the form make_batch returned ------
+
+FORMS_MODEL = """
+import collections, torch, torch.nn as nn, torch.nn.functional as F
+
+Pair = collections.namedtuple("Pair", "x y")
+SEEN = []  # every batch the loss was given
+
+def build(form):
+    module = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    def make_batch(n, device):
+        x = torch.randn(n, 3, dtype=torch.float64, device=device)
+        y = torch.randn(n, 1, dtype=torch.float64, device=device)
+        forms = {"tensor": x, "tuple": (x, y), "list": [x, y], "dict": {"x": x, "y": y},
+                 "namedtuple": Pair(x, y)}
+        return forms[form]
+
+    def loss(module, batch):
+        SEEN.append(batch)
+        if form == "tensor":
+            return module(batch).pow(2).mean()
+        x, y = (batch["x"], batch["y"]) if form == "dict" else batch
+        return F.mse_loss(module(x), y)
+
+    return module, make_batch, loss
+"""
+
+
+@pytest.mark.parametrize("form", ["tensor", "tuple", "list", "dict", "namedtuple"])
+def test_every_batch_form_reaches_the_loss_as_made_and_accumulates_exactly(user_module, form):
+    name = user_module(FORMS_MODEL)
+    spec = build_model(f"{name}:build", {"form": form})
+    batch = spec.make_batch(7, CPU)
+    seen = sys.modules[name].SEEN
+    seen.clear()
+
+    full, accumulated = _full_and_accumulated_grads(spec, batch, (3, 2, 2))
+
+    assert [type(b) for b in seen] == [type(batch)] * 4
+    assert [num_samples(b) for b in seen] == [7, 3, 2, 2]
+    for key in full:
+        torch.testing.assert_close(accumulated[key], full[key], atol=1e-12, rtol=1e-10)
+
+
+def test_a_dict_micro_batch_holds_the_same_rows_of_every_tensor():
+    batch = {"x": torch.arange(10).view(5, 2), "y": torch.arange(5)}
+    first, second = split_batch(batch, [3, 2])
+    assert first.keys() == {"x", "y"} and first["y"].tolist() == [0, 1, 2]
+    assert second["x"].tolist() == [[6, 7], [8, 9]] and second["y"].tolist() == [3, 4]
 
 
 # --- slice_batch ----------------------------------------------------------------------
@@ -323,19 +374,19 @@ def test_example_user_model_accumulates_exactly(monkeypatch):
         torch.testing.assert_close(accumulated[key], full[key], atol=1e-6, rtol=1e-5)
 
 
-def test_user_model_single_tensor_batch_becomes_a_one_tuple(user_module):
+def test_user_model_bare_tensor_batch_stays_a_tensor(user_module):
     name = user_module(
         """
         import torch, torch.nn as nn
 
         def build(width=3):
             make_batch = lambda n, d: torch.ones(n, width, device=d)
-            return nn.Linear(width, 1), make_batch, lambda m, b: m(b[0]).mean()
+            return nn.Linear(width, 1), make_batch, lambda m, b: m(b).mean()
         """
     )
     spec = build_model(f"{name}:build", {"width": 5})
     batch = spec.make_batch(4, CPU)
-    assert isinstance(batch, tuple) and len(batch) == 1 and batch[0].shape == (4, 5)
+    assert isinstance(batch, torch.Tensor) and batch.shape == (4, 5)
 
 
 def test_user_model_is_seeded(user_module):
@@ -345,7 +396,7 @@ def test_user_model_is_seeded(user_module):
 
         def build():
             make_batch = lambda n, d: torch.randn(n, 4, device=d)
-            return nn.Linear(4, 4), make_batch, lambda m, b: m(b[0]).mean()
+            return nn.Linear(4, 4), make_batch, lambda m, b: m(b).mean()
         """
     )
     a = build_model(f"{name}:build", {}, seed=5).module.weight
@@ -360,13 +411,14 @@ def test_user_model_is_seeded(user_module):
             "gtp",
             {},
             r"^model\.name: unknown model 'gtp'; valid: gpt, mlp, cnn_bn, or "
-            r"package\.module:function \(did you mean 'gpt'\?\)$",
+            r"package\.module:function \(did you mean 'gpt'\?\); or hf:<model_type> for a "
+            r"Hugging Face transformers model \(e\.g\. hf:gpt2\)$",
         ),
         (
             "resnet",
             {},
             r"^model\.name: unknown model 'resnet'; valid: gpt, mlp, cnn_bn, or "
-            r"package\.module:function$",
+            r"package\.module:function; or hf:<model_type> for a Hugging Face",
         ),
         (3, {}, r"^model\.name: must be a string, got 3"),
         (
@@ -439,7 +491,7 @@ def test_current_directory_is_made_importable(tmp_path, monkeypatch):
     (tmp_path / f"{name}.py").write_text(
         "import torch, torch.nn as nn\n"
         "def build():\n"
-        "    return nn.Linear(2, 1), lambda n, d: torch.zeros(n, 2), lambda m, b: m(b[0]).mean()\n"
+        "    return nn.Linear(2, 1), lambda n, d: torch.zeros(n, 2), lambda m, b: m(b).mean()\n"
     )
     monkeypatch.chdir(tmp_path)
     try:
@@ -484,7 +536,7 @@ def test_function_returning_the_wrong_things(user_module, returns, match):
             return torch.zeros(n, 2, device=device)
 
         def loss(module, batch):
-            return module(batch[0]).mean()
+            return module(batch).mean()
 
         def build():
             return {returns}
@@ -505,8 +557,18 @@ def test_function_returning_the_wrong_things(user_module, returns, match):
             r"dimension 2 \(one row per sample\)$",
         ),
         ("torch.zeros(())", r"returned tensors of shapes \(\); every tensor must have leading"),
-        ("{'x': torch.zeros(n)}", r"returned a dict; expected a tensor or a tuple of tensors"),
-        ("()", r"returned a tuple; expected a tensor or a tuple of tensors"),
+        (
+            "{'x': torch.zeros(n), 'mask': [1, 1]}",
+            r"returned a dict whose 'mask' is a list, not a tensor named by a string; expected "
+            r"a tensor, a tuple or list of tensors, or a mapping of names to tensors, each with "
+            r"leading dimension 2$",
+        ),
+        ("{0: torch.zeros(n)}", r"returned a dict whose 0 is a Tensor, not a tensor named by a"),
+        ("{'x': torch.zeros(n, 3), 'y': torch.zeros(3)}", r"returned tensors of shapes \(2, 3\), "),
+        ("[torch.zeros(n), 'y']", r"returned a list whose item 1 is a str, not a tensor; expected"),
+        ("{}", r"returned an empty dict; expected a tensor, a tuple or list of tensors, or a map"),
+        ("()", r"returned an empty tuple; expected a tensor, a tuple or list of tensors"),
+        ("'abc'", r"returned a str; expected a tensor, a tuple or list of tensors, or a mapping"),
     ],
 )
 def test_make_batch_returning_the_wrong_batch(user_module, batch, match):
@@ -515,7 +577,7 @@ def test_make_batch_returning_the_wrong_batch(user_module, batch, match):
         import torch, torch.nn as nn
 
         def build():
-            return nn.Linear(2, 1), lambda n, device: {batch}, lambda m, b: m(b[0]).mean()
+            return nn.Linear(2, 1), lambda n, device: {batch}, lambda m, b: m(b).mean()
         """
     )
     with pytest.raises(
@@ -530,7 +592,7 @@ def test_make_batch_checked_at_every_call(user_module):
         import torch, torch.nn as nn
 
         def build():
-            return nn.Linear(2, 1), lambda n, d: torch.zeros(min(n, 2), 2), lambda m, b: m(b[0])
+            return nn.Linear(2, 1), lambda n, d: torch.zeros(min(n, 2), 2), lambda m, b: m(b)
         """
     )
     spec = build_model(f"{name}:build", {})
@@ -562,7 +624,7 @@ def test_make_batch_that_raises(user_module):
             raise KeyError("x")
 
         def build():
-            return nn.Linear(2, 1), make_batch, lambda m, b: m(b[0]).mean()
+            return nn.Linear(2, 1), make_batch, lambda m, b: m(b).mean()
         """
     )
     with pytest.raises(
@@ -592,7 +654,7 @@ def test_validation_does_not_shift_the_callers_rng(user_module):
         import torch, torch.nn as nn
 
         def build():
-            return nn.Linear(2, 1), lambda n, d: torch.randn(n, 2), lambda m, b: m(b[0]).mean()
+            return nn.Linear(2, 1), lambda n, d: torch.randn(n, 2), lambda m, b: m(b).mean()
         """
     )
     build_model(f"{name}:build", {}, seed=0)
@@ -600,3 +662,148 @@ def test_validation_does_not_shift_the_callers_rng(user_module):
     torch.manual_seed(0)
     nn.Linear(2, 1)  # what building consumed
     assert torch.equal(after_build, torch.rand(3))
+
+
+# --- activation checkpointing -----------------------------------------------------------
+
+BLOCKS_MODEL = """
+import torch, torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+class Net(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+def build(width=16, depth=3):
+    make_batch = lambda n, d: torch.randn(n, width, dtype=torch.float64, device=d)
+    return Net(width, depth).double(), make_batch, lambda m, b: m(b).pow(2).mean()
+"""
+
+
+def _saved_bytes(spec: ModelSpec, batch) -> tuple[int, torch.Tensor]:
+    """The loss, and the bytes of the tensors autograd keeps for the backward pass once the
+    forward pass is done (each storage once, the parameters not counted)."""
+    params = {p.untyped_storage().data_ptr() for p in spec.module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = spec.loss_fn(spec.module, batch)
+    return sum(saved.values()), loss
+
+
+def _checkpointing_pair(name: str, options: dict, n: int):
+    """(saved bytes, gradients) without and with activation checkpointing, same weights
+    and batch."""
+    results = []
+    for checkpointing in (False, True):
+        spec = build_model(name, options, seed=0, activation_checkpointing=checkpointing)
+        torch.manual_seed(1)
+        batch = spec.make_batch(n, CPU)
+        saved, loss = _saved_bytes(spec, batch)
+        loss.backward()
+        results.append((saved, _grads(spec.module)))
+    return results
+
+
+def test_gpt_with_checkpointing_keeps_fewer_activations_and_the_same_gradients():
+    options = dict(n_layer=4, n_head=2, d_model=16, seq_len=256, vocab_size=64)
+    (plain, grads), (checkpointed, grads_ckpt) = _checkpointing_pair("gpt", options, 32)
+    # a checkpointed block keeps its input for the recompute (outside autograd's hooks)
+    block_inputs = 4 * 32 * 256 * 16 * 4  # n_layer x (n, seq_len, d_model) fp32
+    assert checkpointed + block_inputs <= 0.85 * plain
+    assert grads.keys() == grads_ckpt.keys()
+    for key in grads:
+        torch.testing.assert_close(grads_ckpt[key], grads[key], msg=key)
+
+
+def test_gpt_checkpoints_its_blocks_only_when_asked_and_only_in_training():
+    plain = build_model("gpt", {"n_layer": 2})
+    assert all("forward" not in vars(block) for block in plain.module.blocks)
+    spec = build_model("gpt", {"n_layer": 2}, activation_checkpointing=True)
+    assert all("forward" in vars(block) for block in spec.module.blocks)
+    batch = spec.make_batch(2, CPU)
+    with torch.no_grad():  # an evaluation pass runs the blocks as they are
+        assert _saved_bytes(spec, batch)[0] == 0
+
+
+def test_a_deep_copy_checkpoints_its_own_blocks():
+    module = build_model("gpt", {"n_layer": 1}, activation_checkpointing=True).module
+    clone = copy.deepcopy(module)
+    assert clone.blocks[0].forward.__self__ is clone.blocks[0]
+
+
+def test_user_model_checkpoints_the_blocks_it_names(user_module):
+    name = user_module(BLOCKS_MODEL)
+    options = {"width": 32, "depth": 4, "checkpoint_blocks": "Block"}
+    (plain, grads), (checkpointed, grads_ckpt) = _checkpointing_pair(f"{name}:build", options, 64)
+    assert checkpointed + 4 * 64 * 32 * 8 <= 0.85 * plain  # the blocks' fp64 inputs kept
+    for key in grads:
+        torch.testing.assert_close(grads_ckpt[key], grads[key], msg=key)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        ("mlp", {}, r"^trial\.activation_checkpointing: the built-in model 'mlp' has no blocks to"
+         r" checkpoint; turn it off, or measure gpt, an hf: model, or your own model with "
+         r"model\.checkpoint_blocks$"),
+        ("cnn_bn", {}, r"^trial\.activation_checkpointing: the built-in model 'cnn_bn' has no"),
+        ("USER", {}, r"^trial\.activation_checkpointing: user model '.*:build' does not say what "
+         r"to checkpoint; set model\.checkpoint_blocks to the class name of its repeated block "
+         r"\(its repeated submodules: Block \(x3\)\), or turn checkpointing off$"),
+        ("USER", {"checkpoint_blocks": "Blok"}, r"^trial\.activation_checkpointing: "
+         r"model\.checkpoint_blocks 'Blok' matches no submodule of '.*:build' \(did you mean "
+         r"'Block'\?\); its repeated submodules: Block \(x3\)$"),
+        ("USER", {"checkpoint_blocks": ["Block", "Linearr"]}, r"'Linearr' matches no submodule"),
+    ],
+)  # fmt: skip
+def test_checkpointing_a_model_that_cannot_says_how_to_make_it_work(
+    user_module, name, options, match
+):
+    if name == "USER":
+        name = f"{user_module(BLOCKS_MODEL)}:build"
+    with pytest.raises(ModelError, match=match):
+        build_model(name, options, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("Blok", r"^model\.checkpoint_blocks: model\.checkpoint_blocks 'Blok' matches no "
+         r"submodule of '.*:build' \(did you mean 'Block'\?\)"),
+        (3, r"^model\.checkpoint_blocks: must be the class name of the model's repeated block "
+         r"\(e\.g\. Block\), or a list of class names, got 3$"),
+        ([], r"^model\.checkpoint_blocks: must be the class name"),
+        ("my.Block", r"^model\.checkpoint_blocks: must be the class name"),
+    ],
+)  # fmt: skip
+def test_checkpoint_blocks_is_checked_even_when_checkpointing_is_off(user_module, value, match):
+    # a search may turn checkpointing on for some trials: a typo fails when the model is built
+    name = user_module(BLOCKS_MODEL)
+    with pytest.raises(ModelError, match=match):
+        build_model(f"{name}:build", {"checkpoint_blocks": value})
+
+
+def test_checkpoint_blocks_is_not_passed_to_the_users_function(user_module):
+    name = user_module(BLOCKS_MODEL)  # build() takes no checkpoint_blocks
+    spec = build_model(f"{name}:build", {"checkpoint_blocks": "Block", "depth": 2})
+    assert len(spec.module.blocks) == 2
+    assert all("forward" not in vars(block) for block in spec.module.blocks)
