@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from mbtune.config import PRECISIONS as _TRIAL_PRECISIONS
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
 
-__all__ = ["FRAMEWORKS", "RULES", "Export", "expressible", "export_config"]
+__all__ = ["FRAMEWORKS", "PRECISIONS", "RULES", "Export", "expressible", "export_config"]
 
 FRAMEWORKS = ("cerebras", "composer", "deepspeed", "hf", "lightning", "megatron")
 
@@ -37,6 +38,11 @@ RULES = {
     "megatron": "--global-batch-size divisible by --micro-batch-size x the data-parallel size",
 }
 """How each framework requires the numbers to relate, in its own names."""
+
+PRECISIONS = tuple(p for p in _TRIAL_PRECISIONS if p != "auto")
+"""The precisions a snippet can say: a trial's, resolved (``auto`` is decided per device)."""
+
+_TF32_CALL = 'torch.set_float32_matmul_precision("high")'
 
 _SUFFIX = {
     "cerebras": "yaml", "composer": "yaml", "deepspeed": "json", "hf": "json",
@@ -68,51 +74,106 @@ def export_config(
     pipeline_stages: int = 1,
     recommended_batch_size: int | None = None,
     header: str | None = None,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
 ) -> Export:
-    """``config`` as ``framework``'s snippet; ``header`` becomes a comment where the
-    format has comments (YAML, Python, arguments; not JSON)."""
+    """``config`` as ``framework``'s snippet, with the ``precision`` (fp32, tf32, bf16,
+    fp16) and the activation checkpointing that were measured (``activation_checkpointing``
+    or ``config``'s own) in the framework's own keys, or a note where it has none.
+    ``header`` becomes a comment where the format has comments (YAML, Python, arguments;
+    not JSON)."""
     if framework not in FRAMEWORKS:
         raise MbtuneError(
             f"--export: unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}"
         )
+    if precision not in PRECISIONS:
+        raise MbtuneError(
+            f"--export: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}"
+        )
+    checkpointing = activation_checkpointing or config.activation_checkpointing
     exported, notes = expressible(framework, config, recommended_batch_size)
     b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
     g = exported.grad_accum_steps
+    bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
     comment = f"# {header}\n" if header else ""
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
     if pipeline_stages > 1:
         launch += f" x {pipeline_stages} pipeline stages ({n * pipeline_stages} in all)"
     if framework == "cerebras":
+        fp16_type = "  fp16_type: bfloat16\n" if bf16 else "  fp16_type: float16\n" * fp16
         text = (
             f"{comment}train_input:\n  batch_size: {b}\n  micro_batch_size: {m}\n"
+            f"model:\n  mixed_precision: {_yaml(bf16 or fp16)}\n{fp16_type}"
             f"runconfig:\n  num_csx: {n}\n"
         )
     elif framework == "composer":
+        amp = "amp_bf16" if bf16 else "amp_fp16" if fp16 else "fp32"
         text = (
             f"{comment}# world size {n}: each device loads {b // n} samples per step\n"
             f"global_train_batch_size: {b}\ndevice_train_microbatch_size: {m}\n"
+            f"precision: {amp}\n"
         )
     elif framework == "deepspeed":
         text = _json(
-            train_batch_size=b, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=g
+            train_batch_size=b,
+            train_micro_batch_size_per_gpu=m,
+            gradient_accumulation_steps=g,
+            bf16={"enabled": bf16},
+            fp16={"enabled": fp16},
         )
         notes.append(f"{launch} (DeepSpeed's world size {n})")
     elif framework == "hf":
-        text = _json(per_device_train_batch_size=m, gradient_accumulation_steps=g)
+        extra = {"tf32": True} if tf32 else {}
+        if checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
+            extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        text = _json(
+            per_device_train_batch_size=m,
+            gradient_accumulation_steps=g,
+            bf16=bf16,
+            fp16=fp16,
+            gradient_checkpointing=checkpointing,
+            **extra,
+        )
         notes.append(f"{launch}; pass the keys to transformers.TrainingArguments")
     elif framework == "lightning":
+        mode = "bf16-mixed" if bf16 else "16-mixed" if fp16 else "32-true"
+        tf32_line = f"{_TF32_CALL}  # TF32 matmuls, as measured\n" if tf32 else ""
         text = (
-            f"{comment}trainer = Trainer(devices={n}, accumulate_grad_batches={g})\n"
+            f"{comment}{tf32_line}"
+            f'trainer = Trainer(devices={n}, accumulate_grad_batches={g}, precision="{mode}")\n'
             f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
         )
     else:
         pipeline = f" --pipeline-model-parallel-size {pipeline_stages}" * (pipeline_stages > 1)
+        flags = " --bf16" * bf16 + " --fp16" * fp16
+        # mbtune recomputes whole transformer blocks: Megatron's full granularity, each layer
+        recompute = " --recompute-granularity full --recompute-method uniform"
+        recompute += " --recompute-num-layers 1"
         text = (
             f"{comment}# data-parallel size {n}: {g} micro-batches per step on each replica\n"
-            f"--micro-batch-size {m} --global-batch-size {b}{pipeline}\n"
+            f"--micro-batch-size {m} --global-batch-size {b}{pipeline}{flags}"
+            f"{recompute * checkpointing}\n"
         )
     if framework in ("cerebras", "composer", "lightning", "megatron"):
         notes.append(launch)
+    if framework == "cerebras" and (tf32 or checkpointing):
+        gpu_only = ["precision tf32"] * tf32 + ["activation checkpointing"] * checkpointing
+        notes.append(
+            f"{' and '.join(gpu_only)}: a GPU setting with no Cerebras counterpart (a CS-X "
+            "system manages its own memory and arithmetic); not exported"
+        )
+    elif tf32 and framework in ("composer", "deepspeed", "megatron"):
+        notes.append(
+            f"precision tf32: {framework} has no setting for it; call {_TF32_CALL} before "
+            "training (TF32 matmuls, fp32 everything else)"
+        )
+    if checkpointing and framework in ("composer", "deepspeed", "lightning"):
+        notes.append(
+            f"activation checkpointing: {framework} has no setting that turns it on for any "
+            "model; checkpoint the model's blocks as mbtune did (torch.utils.checkpoint."
+            "checkpoint(block, x, use_reentrant=False); a transformers model: "
+            "model.gradient_checkpointing_enable())"
+        )
     return Export(framework, exported, text, tuple(notes))
 
 
@@ -188,8 +249,12 @@ def _split(batch_size: int, num_devices: int, micro_batch_size: int) -> str:
     return f"per device {devices[0]} as {runs}"
 
 
-def _json(**values: int) -> str:
+def _json(**values: object) -> str:
     return json.dumps(values, indent=2) + "\n"
+
+
+def _yaml(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
 def _filename(framework: str) -> str:

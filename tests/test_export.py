@@ -1,16 +1,20 @@
 """Exports: every snippet, read back as its framework reads it, obeys that framework's rule."""
 
 import ast
+import dataclasses
+import functools
 import json
+import re
 import shlex
 
 import pytest
+import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mbtune.errors import MbtuneError
-from mbtune.export import FRAMEWORKS, export_config, expressible
+from mbtune.export import FRAMEWORKS, PRECISIONS, export_config, expressible
 from mbtune.lattice import BatchConfig, num_microbatches
 
 # ---------------------------------------------------------------------------
@@ -46,7 +50,7 @@ def deepspeed(text: str, n: int) -> dict:
 def hf(text: str, n: int) -> dict:
     data = json.loads(text)
     m, g = data["per_device_train_batch_size"], data["gradient_accumulation_steps"]
-    assert set(data) == {"per_device_train_batch_size", "gradient_accumulation_steps"}
+    assert set(data) <= HF_KEYS
     # Hugging Face: the effective batch is per_device x accumulation x number of devices
     return {"batch_size": m * g * n, "micro_batch_size": m}
 
@@ -65,13 +69,29 @@ def lightning(text: str, n: int) -> dict:
 
 
 def megatron(text: str, n: int) -> dict:
-    args = [a for line in text.splitlines() if not line.startswith("#") for a in shlex.split(line)]
-    values = dict(zip(args[::2], args[1::2], strict=True))
+    values = megatron_args(text)
     m, b = int(values["--micro-batch-size"]), int(values["--global-batch-size"])
     # Megatron: global batch divisible by micro-batch x data-parallel size (raises otherwise)
     assert b % (m * n) == 0 and num_microbatches(b, n, m) * m * n == b
     return {"batch_size": b, "micro_batch_size": m}
 
+
+def megatron_args(text: str) -> dict[str, str | None]:
+    """Megatron's command-line arguments: ``--flag value``, or ``--flag`` alone (None)."""
+    args = [a for line in text.splitlines() if not line.startswith("#") for a in shlex.split(line)]
+    values: dict[str, str | None] = {}
+    for arg in args:
+        if arg.startswith("--"):
+            values[arg] = None
+        else:
+            values[list(values)[-1]] = arg
+    return values
+
+
+HF_KEYS = {
+    "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32",
+    "gradient_checkpointing", "gradient_checkpointing_kwargs",
+}  # fmt: skip
 
 READ_BACK = {f.__name__: f for f in (cerebras, composer, deepspeed, hf, lightning, megatron)}
 
@@ -173,3 +193,172 @@ def test_every_export_obeys_its_frameworks_rule(config, framework):
     for other in range(max(step, config.batch_size - distance + 1), config.batch_size + distance):
         if other % step == 0 and other // config.num_devices >= m:
             pytest.fail(f"{other} is nearer to {config.batch_size} than {export.config}")
+
+
+# ---------------------------------------------------------------------------
+# the precision and the activation checkpointing measured, in each framework's own keys
+
+
+def precision_setting(framework: str, text: str) -> object:
+    """The framework's own setting of the arithmetic, read back from the snippet."""
+    if framework == "cerebras":
+        model = yaml.safe_load(text)["model"]
+        return model["mixed_precision"], model.get("fp16_type")
+    if framework == "composer":
+        return yaml.safe_load(text)["precision"]
+    if framework == "deepspeed":
+        data = json.loads(text)
+        return data["bf16"]["enabled"], data["fp16"]["enabled"]
+    if framework == "hf":
+        data = json.loads(text)
+        return data["bf16"], data["fp16"], data.get("tf32")
+    if framework == "lightning":
+        (call,) = [c for c in ast.walk(ast.parse(text)) if isinstance(c, ast.Call)
+                   and getattr(c.func, "id", None) == "Trainer"]  # fmt: skip
+        precision = {k.arg: k.value.value for k in call.keywords}["precision"]
+        return precision, "set_float32_matmul_precision(\"high\")" in text
+    return tuple(f for f in ("--bf16", "--fp16") if f in megatron_args(text))
+
+
+PRECISION_SETTINGS = {
+    "cerebras": {"fp32": (False, None), "tf32": (False, None), "bf16": (True, "bfloat16"),
+                 "fp16": (True, "float16")},
+    "composer": {"fp32": "fp32", "tf32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"},
+    "deepspeed": {"fp32": (False, False), "tf32": (False, False), "bf16": (True, False),
+                  "fp16": (False, True)},
+    "hf": {"fp32": (False, False, None), "tf32": (False, False, True),
+           "bf16": (True, False, None), "fp16": (False, True, None)},
+    "lightning": {"fp32": ("32-true", False), "tf32": ("32-true", True),
+                  "bf16": ("bf16-mixed", False), "fp16": ("16-mixed", False)},
+    "megatron": {"fp32": (), "tf32": (), "bf16": ("--bf16",), "fp16": ("--fp16",)},
+}  # fmt: skip
+TF32_NOTE = 'call torch.set_float32_matmul_precision("high") before training'
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_precision_is_in_the_frameworks_own_keys(framework, precision):
+    export = export_config(framework, BatchConfig(64, 2, 4), precision=precision)
+    assert precision_setting(framework, export.text) == PRECISION_SETTINGS[framework][precision]
+    assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    tf32_note = [n for n in export.notes if "tf32" in n]
+    if precision == "tf32" and framework in ("composer", "deepspeed", "megatron"):
+        assert tf32_note == [f"precision tf32: {framework} has no setting for it; {TF32_NOTE} "
+                             "(TF32 matmuls, fp32 everything else)"]  # fmt: skip
+    elif precision == "tf32" and framework == "cerebras":
+        assert tf32_note == [
+            "precision tf32: a GPU setting with no Cerebras counterpart (a CS-X system manages "
+            "its own memory and arithmetic); not exported"
+        ]
+    else:  # said in the snippet itself (hf's tf32 key, Lightning's call), or not asked
+        assert tf32_note == []
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_activation_checkpointing_is_exported_or_said_how(framework, how):
+    if how == "argument":
+        export = export_config(framework, BatchConfig(64, 2, 4), activation_checkpointing=True)
+    else:  # a configuration measured with checkpointing carries it
+        export = export_config(framework, BatchConfig(64, 2, 4, activation_checkpointing=True))
+    plain = export_config(framework, BatchConfig(64, 2, 4))
+    notes = [n for n in export.notes if n.startswith("activation checkpointing")]
+    if framework == "hf":
+        assert json.loads(export.text)["gradient_checkpointing"] is True
+        assert json.loads(export.text)["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+        assert json.loads(plain.text)["gradient_checkpointing"] is False
+    elif framework == "megatron":
+        args = megatron_args(export.text)
+        assert (args["--recompute-granularity"], args["--recompute-method"]) == ("full", "uniform")
+        assert args["--recompute-num-layers"] == "1"
+        assert "--recompute-granularity" not in megatron_args(plain.text)
+    elif framework == "cerebras":
+        assert notes == [
+            "activation checkpointing: a GPU setting with no Cerebras counterpart (a CS-X system "
+            "manages its own memory and arithmetic); not exported"
+        ]
+    else:
+        assert notes == [
+            f"activation checkpointing: {framework} has no setting that turns it on for any "
+            "model; checkpoint the model's blocks as mbtune did (torch.utils.checkpoint."
+            "checkpoint(block, x, use_reentrant=False); a transformers model: "
+            "model.gradient_checkpointing_enable())"
+        ]
+    if framework in ("hf", "megatron"):
+        assert notes == []
+    assert not [n for n in plain.notes if n.startswith("activation checkpointing")]
+
+
+@pytest.mark.parametrize("precision", ["auto", "float16", "BF16"])
+def test_an_unknown_or_unresolved_precision(precision):
+    with pytest.raises(
+        MbtuneError, match=rf"^--export: unknown precision '{precision}'; valid: fp32, tf32, bf16, "
+        r"fp16$"
+    ):
+        export_config("hf", BatchConfig(8, 1, 2), precision=precision)
+
+
+# ---------------------------------------------------------------------------
+# round trips: the snippet, given to the framework itself
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("config", [BatchConfig(64, 2, 4), BatchConfig(30, 2, 4, True)],
+                         ids=["even", "uneven-checkpointed"])  # fmt: skip
+def test_hf_keys_build_training_arguments(tmp_path, precision, config):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # TrainingArguments needs it
+    export = export_config("hf", config, precision=precision)
+    kwargs = json.loads(export.text)
+    m, g = kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]
+    assert m * g * 2 == export.config.batch_size
+    if config.batch_size != export.config.batch_size:  # uneven: said plainly
+        said = "splits unevenly (per device 15 as 4+4+4+3): exported the nearest batch_size it can "
+        assert any(said in note for note in export.notes)
+
+    cuda = torch.cuda.is_available()
+    cpu = {"use_cpu": True} if precision == "bf16" and not cuda else {}  # bf16 on the CPU
+    try:
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **kwargs, **cpu)
+    except ValueError as e:
+        # transformers checks the hardware: tf32 needs an Ampere GPU, and fp16 CUDA (before
+        # 5.x); here the keys are fields of TrainingArguments and the refusal is about the
+        # hardware, not the keys
+        ampere = cuda and torch.cuda.get_device_capability()[0] >= 8
+        assert (precision == "tf32" and not ampere) or (precision == "fp16" and not cuda)
+        assert re.search(r"tf32 requires Ampere|can only be used on CUDA", str(e))
+        fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+        assert set(kwargs) <= fields
+        return
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (m, g)
+    assert (args.bf16, args.fp16) == (precision == "bf16", precision == "fp16")
+    assert args.gradient_checkpointing is config.activation_checkpointing
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_lightning_arguments_build_a_trainer(precision):
+    lightning = pytest.importorskip("lightning")
+    export = export_config(
+        "lightning", BatchConfig(30, 2, 4), precision=precision, header="from a test"
+    )
+    dataset = torch.utils.data.TensorDataset(torch.zeros(64, 1))
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                 enable_checkpointing=False)  # fmt: skip
+    names = {
+        "Trainer": functools.partial(lightning.Trainer, **quiet),
+        "DataLoader": torch.utils.data.DataLoader,
+        "train_dataset": dataset,
+        "torch": torch,
+    }
+    before = torch.get_float32_matmul_precision()
+    try:
+        exec(export.text, names)  # the snippet as a user pastes it
+        assert torch.get_float32_matmul_precision() == ("high" if precision == "tf32" else before)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    trainer, loader = names["trainer"], names["train_loader"]
+    m, g = loader.batch_size, trainer.accumulate_grad_batches
+    assert trainer.num_devices == 2 and m * g * 2 == export.config.batch_size == 32
+    assert trainer.precision == {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}[
+        precision
+    ]
