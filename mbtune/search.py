@@ -30,6 +30,7 @@ from ray import tune
 from ray.tune import Callback
 from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
+from mbtune import progress
 from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
@@ -118,7 +119,7 @@ def run_search(
             storage_path=str(run.path.resolve()),
             verbose=1 if verbose else 0,
             # Tune's own per-trial result.json and progress.csv (see cluster.init_ray)
-            callbacks=[log, JsonLoggerCallback(), CSVLoggerCallback()],
+            callbacks=[TrialProgress(), log, JsonLoggerCallback(), CSVLoggerCallback()],
             stop=ConfidenceStop(log, s.confidence_target),
             failure_config=tune.FailureConfig(max_failures=0),
         ),
@@ -159,15 +160,20 @@ RAY_DIR = "ray"
 def _echo(line: str) -> None:
     """Print one line now. Not ``print`` itself: Tune pickles the callbacks with its
     experiment state, and once Ray has replaced ``builtins.print`` (it does to show worker
-    output, on a cluster or with --verbose) the original no longer pickles."""
-    print(line, flush=True)
+    output, on a cluster or with --verbose) the original no longer pickles. Above the
+    progress line, where one is shown (mbtune.progress)."""
+    progress.echo(line)
 
 
 def _fit(
     tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any, cluster: str | None
 ) -> SearchOutcome:
     lost = functools.partial(_head_lost, cluster, run, reporter)
-    with _graceful_stop() as interrupted, watch_head(cluster, lost):
+    with (
+        _graceful_stop() as interrupted,
+        watch_head(cluster, lost),
+        progress.shown(finished=len(run.trials())),
+    ):
         tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
@@ -338,22 +344,25 @@ def _trainable(
     from mbtune.searchers import pack_result
 
     batch = BatchConfig.from_mapping(config)
+    on_phase = progress.forwarder()  # to the driver's progress line
     if _is_ddp(experiment):
-        result = measure_with_ray_train(experiment, batch, cwd=cwd)
+        result = measure_with_ray_train(experiment, batch, cwd=cwd, on_phase=on_phase)
     else:
-        result = measure_in_subprocess(experiment, batch, cwd=cwd, timeout_s=timeout_s)
+        result = measure_in_subprocess(
+            experiment, batch, cwd=cwd, timeout_s=timeout_s, on_phase=on_phase
+        )
     tune.report(pack_result({**result, "node_id": ray.get_runtime_context().get_node_id()}))
 
 
 def measure_with_ray_train(
-    experiment: dict[str, Any], config: BatchConfig, *, cwd: str
+    experiment: dict[str, Any], config: BatchConfig, *, cwd: str, on_phase: Any = None
 ) -> dict[str, Any]:
     """Measure ``config`` of a ``parallel: ddp`` experiment: here, in the trial actor, which
     fits a Ray Train run and runs no model code itself (mbtune.ddp says why)."""
     from mbtune.config import parse_experiment
     from mbtune.trial import trial_metrics
 
-    return trial_metrics(parse_experiment(experiment), config, cwd=cwd)
+    return trial_metrics(parse_experiment(experiment), config, cwd=cwd, on_phase=on_phase)
 
 
 KILL_GRACE_S = 60.0
@@ -362,22 +371,30 @@ its alarm blocked) runs before the search kills it."""
 
 
 def measure_in_subprocess(
-    experiment: dict[str, Any], config: BatchConfig, *, cwd: str, timeout_s: float
+    experiment: dict[str, Any],
+    config: BatchConfig,
+    *,
+    cwd: str,
+    timeout_s: float,
+    on_phase: Any = None,
 ) -> dict[str, Any]:
-    """Measure ``config`` in a child process; a crash, a kill or a hang is a result too."""
+    """Measure ``config`` in a child process; a crash, a kill or a hang is a result too.
+    ``on_phase`` hears each phase of the trial as it happens (mbtune.trial.PhaseHook)."""
     payload = json.dumps({"experiment": experiment, "config": config.as_dict()})
     started = time.perf_counter()
     base = {**config.as_dict(), "objective": 0.0, "reason": None}
     kill_after = timeout_s + KILL_GRACE_S  # the child stops itself at timeout_s: a backstop
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "mbtune.trial"],
-            input=payload,
-            capture_output=True,
-            text=True,
-            cwd=cwd,
-            timeout=kill_after,
-        )
+        with progress.phase_pipe(on_phase) as (phase_args, phase_fds):
+            proc = subprocess.run(
+                [sys.executable, "-m", "mbtune.trial", *phase_args],
+                input=payload,
+                capture_output=True,
+                text=True,
+                cwd=cwd,
+                timeout=kill_after,
+                pass_fds=phase_fds,
+            )
     except subprocess.TimeoutExpired:
         reason = f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
         return {**base, "status": "timeout", "reason": reason,
@@ -492,6 +509,20 @@ def _actor_failure(trial: Any) -> tuple[str, str | None]:
         except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
             node = None
     return reason, node
+
+
+class TrialProgress(Callback):
+    """Tells the progress display (mbtune.progress) which trials run; it keeps no state,
+    so that it pickles with Tune's."""
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        progress.started(trial.trial_id, BatchConfig.from_mapping(trial.config))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        progress.ended(trial.trial_id)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        progress.ended(trial.trial_id)
 
 
 class ConfidenceStop(tune.Stopper):

@@ -756,17 +756,22 @@ def _worker_main() -> int:
     """``python -m mbtune.trial``: one trial in a process of its own, for the search.
 
     Reads {"experiment": ..., "config": ...} as JSON on stdin and prints the result (with
-    the objective) as one JSON line on stdout.
+    the objective) as one JSON line on stdout. With ``--phase-fd N``, writes each phase to
+    file descriptor N as it happens (mbtune.progress).
     """
     import json
     import sys
 
     from mbtune.config import parse_experiment
+    from mbtune.progress import PHASE_FD_FLAG, phase_writer
 
     request = json.loads(sys.stdin.read())
     exp = parse_experiment(request["experiment"])
     config = BatchConfig.from_mapping(request["config"])
-    print(json.dumps(trial_metrics(exp, config)))
+    on_phase = None
+    if PHASE_FD_FLAG in sys.argv:
+        on_phase = phase_writer(int(sys.argv[sys.argv.index(PHASE_FD_FLAG) + 1]))
+    print(json.dumps(trial_metrics(exp, config, on_phase=on_phase)))
     return 0
 
 

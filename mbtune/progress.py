@@ -1,0 +1,342 @@
+"""Live progress of the trials a search runs: which trial, its configuration, its phase
+(building, compiling, warm-up k of K, timing k of K) and how long it has run.
+
+A phase travels from where it happens to where it is shown in three hops:
+
+    trial process (python -m mbtune.trial)  -- one JSON line per phase, on a pipe -->  trial actor
+    trial actor (any node of the cluster)   -- Ray: the board actor's tell() ------->  board
+    driver: a thread polls the board and draws
+
+On a terminal the driver draws one line and rewrites it in place; anywhere else (a log, CI,
+``ray job submit``) it prints a plain line for each trial still running every
+:data:`PLAIN_EVERY_S` seconds, so that quick trials add nothing to the output. The finished
+trial's own line replaces the progress line.
+
+Nothing here imports Ray at module level: the trial process uses :func:`phase_writer` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from mbtune.lattice import BatchConfig
+
+__all__ = [
+    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "echo", "ended", "forwarder", "phase_pipe",
+    "phase_writer", "shown", "started",
+]  # fmt: skip
+
+PhaseHook = Callable[[str, int, int], None]  # as mbtune.trial.PhaseHook
+
+PHASE_FD_FLAG = "--phase-fd"
+"""``python -m mbtune.trial --phase-fd N``: write each phase to file descriptor N."""
+
+PLAIN_EVERY_S = 30.0
+"""Where the output is not a terminal: a trial still running says so this often."""
+
+TICK_S = 0.5
+"""How often a terminal's progress line is redrawn (its elapsed time moves)."""
+
+FORWARD_EVERY_S = 0.2
+"""A trial actor passes a new step count of the same phase on at most this often."""
+
+BOARD = "mbtune-progress"
+"""The board actor's name, in the driver's job (whose trial actors alone see it)."""
+
+
+# ---------------------------------------------------------------------------
+# the trial process: phases onto a pipe
+
+
+def phase_writer(fd: int) -> PhaseHook:
+    """A hook that writes each phase to ``fd`` as one JSON line; a reader that went away
+    does not fail the trial."""
+    out = os.fdopen(fd, "w", buffering=1, encoding="utf-8")
+
+    def write(phase: str, done: int, total: int) -> None:
+        if out.closed:
+            return
+        try:
+            out.write(json.dumps([phase, done, total]) + "\n")
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                out.close()
+
+    return write
+
+
+# ---------------------------------------------------------------------------
+# the trial actor: the pipe read, the phases passed on to the board
+
+
+@contextlib.contextmanager
+def phase_pipe(on_phase: PhaseHook | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """A pipe for a trial process to write its phases to; yields the arguments and the file
+    descriptors to start it with. A thread passes each phase it writes to ``on_phase``. With
+    no ``on_phase``: no pipe (no arguments, no descriptors)."""
+    if on_phase is None:
+        yield [], ()
+        return
+    read_fd, write_fd = os.pipe()
+
+    def read() -> None:
+        with os.fdopen(read_fd, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                try:
+                    phase, done, total = json.loads(line)
+                    on_phase(str(phase), int(done), int(total))
+                except (ValueError, TypeError):
+                    continue  # not a phase: a display is never worth a failed trial
+
+    reader = threading.Thread(target=read, name="mbtune-phases", daemon=True)
+    reader.start()
+    try:
+        yield [PHASE_FD_FLAG, str(write_fd)], (write_fd,)
+    finally:
+        os.close(write_fd)  # the child's copy closed when it ended: the reader sees the end
+        reader.join(timeout=2.0)  # a grandchild could hold the pipe open: do not wait on it
+
+
+def forwarder() -> PhaseHook | None:
+    """In a search's trial actor: a hook that passes phases on to the driver's board, at
+    most one a phase per FORWARD_EVERY_S; None where there is no board (a trial outside a
+    search, or a search that shows none)."""
+    import ray
+    from ray import tune
+
+    try:
+        board = ray.get_actor(BOARD)
+        trial_id = tune.get_context().get_trial_id()
+    except Exception:  # noqa: BLE001 - no board, or not in a Tune trial: nothing to show
+        return None
+    if trial_id is None:
+        return None
+    last = ["", 0.0]
+
+    def forward(phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase == last[0] and now - last[1] < FORWARD_EVERY_S:
+            return
+        last[:] = [phase, now]
+        board.tell.remote(trial_id, phase, done, total)  # not waited on
+
+    return forward
+
+
+class Board:
+    """The latest phase of each running trial: a Ray actor in the driver's job, told by the
+    trial actors, read by the driver."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, tuple[str, int, int]] = {}
+
+    def tell(self, trial_id: str, phase: str, done: int, total: int) -> None:
+        self.phases[trial_id] = (phase, done, total)
+
+    def forget(self, trial_id: str) -> None:
+        self.phases.pop(trial_id, None)
+
+    def snapshot(self) -> dict[str, tuple[str, int, int]]:
+        return dict(self.phases)
+
+
+# ---------------------------------------------------------------------------
+# the driver: what is shown
+
+
+@dataclass
+class _Running:
+    config: BatchConfig
+    started: float
+    said: float
+    """When a plain line last said this trial (monotonic seconds)."""
+    phase: str = "starting"
+    done: int = 0
+    total: int = 0
+
+    def doing(self, now: float) -> str:
+        steps = f" {self.done} of {self.total}" if self.total else ""
+        return f"{self.phase}{steps}, {_duration(now - self.started)}"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 100 else f"{s // 60} min {s % 60:02d} s"
+
+
+class Display:
+    """The running trials, drawn on ``out``: one line rewritten in place on a terminal
+    (``tty``), else a plain line per trial every PLAIN_EVERY_S. ``finished``: the trials the
+    run had finished before, so that a running trial shows the number it will get."""
+
+    def __init__(self, out: TextIO, *, tty: bool, finished: int = 0, board: Any = None) -> None:
+        self.out, self.tty, self.finished, self.board = out, tty, finished, board
+        self.running: dict[str, _Running] = {}
+        self.lock = threading.RLock()
+        self.drawn = False
+
+    # what happens
+
+    def started(self, trial_id: str, config: BatchConfig) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.running[trial_id] = _Running(config, now, now)
+            self.draw()
+
+    def phase(self, trial_id: str, phase: str, done: int, total: int) -> None:
+        with self.lock:
+            trial = self.running.get(trial_id)
+            if trial is not None:
+                trial.phase, trial.done, trial.total = phase, done, total
+
+    def ended(self, trial_id: str) -> None:
+        with self.lock:
+            if self.running.pop(trial_id, None) is not None:
+                self.finished += 1
+            self.draw()
+        if self.board is not None:
+            self.board.forget.remote(trial_id)
+
+    def echo(self, line: str) -> None:
+        """Print ``line`` above the progress line."""
+        with self.lock:
+            self._clear()
+            self.out.write(line + "\n")
+            self.draw()
+
+    # drawing
+
+    def lines(self, now: float, short: bool = False) -> list[tuple[str, _Running]]:
+        """Each running trial's line, numbered as trials.csv will number it (in the order
+        they started, after the finished ones); ``short``: without the clock, the sizes as
+        n, B and m."""
+        stamp = f"mbtune {time.strftime('%H:%M:%S')}  "
+        ordered = sorted(self.running.values(), key=lambda r: r.started)
+        lines = []
+        for i, r in enumerate(ordered, start=1):
+            c = r.config
+            sizes = (
+                f"n {c.num_devices}, B {c.batch_size}, m {c.micro_batch_size}"
+                if short
+                else f"num_devices {c.num_devices}, batch_size {c.batch_size}, "
+                f"micro_batch_size {c.micro_batch_size}"
+            )
+            if short:  # several on one line: no clock (each says how long it has run)
+                lines.append((f"trial {self.finished + i} {sizes}: {r.doing(now)}", r))
+            else:
+                lines.append((f"{stamp}trial {self.finished + i:>3}  {sizes}: {r.doing(now)}", r))
+        return lines
+
+    def draw(self) -> None:
+        """On a terminal: rewrite the progress line. Elsewhere: a plain line for each trial
+        not said for PLAIN_EVERY_S."""
+        now = time.monotonic()
+        with self.lock:
+            lines = self.lines(now)
+            if self.tty:
+                self._clear()
+                if lines:
+                    # the terminal's width, less one: a line that wraps cannot be rewritten
+                    width = shutil.get_terminal_size((100, 24)).columns - 1
+                    text = lines[0][0] if len(lines) == 1 else ""
+                    if not text or len(text) > width:
+                        text = " | ".join(line for line, _ in self.lines(now, short=True))
+                    self.out.write("\r" + text[:width])
+                    self.drawn = True
+            else:
+                for line, trial in lines:
+                    if now - trial.said >= PLAIN_EVERY_S:
+                        self.out.write(line + "\n")
+                        trial.said = now
+            self.out.flush()
+
+    def _clear(self) -> None:
+        if self.drawn:
+            self.out.write("\r\x1b[K")
+            self.drawn = False
+
+    def due(self) -> bool:
+        """Whether a tick would show anything new (a plain line falls due)."""
+        now = time.monotonic()
+        with self.lock:
+            if self.tty:
+                return bool(self.running)
+            return any(now - r.said >= PLAIN_EVERY_S for r in self.running.values())
+
+    def poll(self) -> None:
+        """Read the board: the latest phase of each running trial."""
+        import ray
+
+        try:
+            phases = ray.get(self.board.snapshot.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - a board that does not answer shows nothing new
+            return
+        for trial_id, (phase, done, total) in phases.items():
+            self.phase(trial_id, phase, done, total)
+
+
+_display: Display | None = None
+"""The display of the search this driver runs (one at a time), or None."""
+
+
+@contextlib.contextmanager
+def shown(finished: int = 0, out: TextIO | None = None) -> Iterator[Display]:
+    """Show the progress of the trials a search runs while the block runs; ``finished``:
+    how many trials the run had finished before (a resumed run)."""
+    global _display
+    import ray
+
+    out = out or sys.stdout
+    with contextlib.suppress(ValueError):  # a board left by a search that died in this job
+        ray.kill(ray.get_actor(BOARD))
+    board = ray.remote(Board).options(name=BOARD, num_cpus=0, max_restarts=0).remote()
+    display = Display(out, tty=out.isatty(), finished=finished, board=board)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(TICK_S):
+            if display.due():
+                display.poll()
+                display.draw()
+
+    ticking = threading.Thread(target=tick, name="mbtune-progress", daemon=True)
+    _display = display
+    ticking.start()
+    try:
+        yield display
+    finally:
+        stop.set()
+        ticking.join(timeout=10)
+        _display = None
+        with display.lock:
+            display._clear()
+            out.flush()
+        with contextlib.suppress(Exception):
+            ray.kill(board)
+
+
+def echo(line: str) -> None:
+    """Print one line now, above the progress line where one is shown."""
+    if _display is not None:
+        _display.echo(line)
+    else:
+        print(line, flush=True)
+
+
+def started(trial_id: str, config: BatchConfig) -> None:
+    if _display is not None:
+        _display.started(trial_id, config)
+
+
+def ended(trial_id: str) -> None:
+    if _display is not None:
+        _display.ended(trial_id)
