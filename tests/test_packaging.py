@@ -1,0 +1,48 @@
+"""mbtune as an installed tool: its data in the wheel and the sdist, ``python -m mbtune``.
+
+CI (.ci/run) also installs the wheel into a fresh environment and runs a search with it.
+"""
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from importlib import resources
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPACES = ["data_parallel.yaml", "default.yaml", "powers_of_two.yaml"]
+
+
+def test_the_named_spaces_are_package_data():
+    names = sorted(p.name for p in (resources.files("mbtune") / "search_spaces").iterdir())
+    assert names == SPACES
+
+
+def test_python_m_mbtune_runs_the_command():
+    done = subprocess.run([sys.executable, "-m", "mbtune", "--help"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("usage: mbtune [-h] COMMAND")
+    assert "init" in done.stdout and done.stderr == ""
+
+
+def test_the_wheel_and_the_sdist_carry_the_search_spaces(tmp_path):
+    # built from a copy, so that the build leaves nothing in the checkout
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "mbtune", source / "mbtune",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    build = "from setuptools import build_meta as b; b.build_wheel('out'); b.build_sdist('out')"
+    subprocess.run([sys.executable, "-c", build], cwd=source, check=True, capture_output=True,
+                   timeout=120)  # fmt: skip
+    (wheel,) = (source / "out").glob("*.whl")
+    (sdist,) = (source / "out").glob("*.tar.gz")
+    with zipfile.ZipFile(wheel) as w, tarfile.open(sdist) as s:
+        in_wheel = set(w.namelist())
+        in_sdist = {name.split("/", 1)[1] for name in s.getnames() if "/" in name}
+    for name in SPACES:
+        assert f"mbtune/search_spaces/{name}" in in_wheel
+        assert f"mbtune/search_spaces/{name}" in in_sdist
+    assert "mbtune/__main__.py" in in_wheel and "mbtune/starter.py" in in_wheel
