@@ -415,8 +415,12 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
 
     # 1. build the model, its optimizer and this rank's data (local: a failure is agreed on)
     precision = for_device(tr.precision, device)
-    checkpointing = {"activation_checkpointing": True} if config.activation_checkpointing else {}
-    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed, **checkpointing)
+    spec = build_model(
+        exp.model.name,
+        exp.model.options,
+        seed=exp.search.seed,
+        activation_checkpointing=config.activation_checkpointing,
+    )
     config, note = full_batch_if_mixing(spec, config)
     loss_fn = precision.loss(spec.loss_fn)
     out: dict[str, Any] = {

@@ -223,8 +223,12 @@ def _measure_torch(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Tr
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(tr.device)
     precision = for_device(tr.precision, device)
-    checkpointing = {"activation_checkpointing": True} if config.activation_checkpointing else {}
-    spec = build_model(exp.model.name, exp.model.options, seed=exp.search.seed, **checkpointing)
+    spec = build_model(
+        exp.model.name,
+        exp.model.options,
+        seed=exp.search.seed,
+        activation_checkpointing=config.activation_checkpointing,
+    )
     config, note = full_batch_if_mixing(spec, config)
     base = dataclasses.replace(
         _base_result(exp, config, device=str(device), note=note), precision=precision.name

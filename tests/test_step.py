@@ -193,3 +193,34 @@ def test_without_a_budget_there_is_no_headroom():
     assert TrialConfig().headroom(None) == 0.0
     assert TrialConfig().headroom(8 * 2**30) == 0.05
     assert TrialConfig(memory_headroom=0.2).headroom(None) == 0.2
+
+
+# -- activation checkpointing, as a trial measures it -----------------------------------
+
+
+@pytest.mark.slow
+def test_checkpointing_lowers_the_peak_of_a_4_layer_gpt_at_m_32(tmp_path):
+    # each in a fresh process: the CPU's peak is the process's peak resident set
+    import subprocess
+    import sys
+
+    model = {"name": "gpt", "n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 256,
+             "vocab_size": 1024}  # fmt: skip
+    path = tmp_path / "e.yaml"
+    path.write_text(json.dumps({
+        "name": "t", "model": model, "train_input": {"batch_size": 32, "micro_batch_size": 32},
+        "trial": {"device": "cpu", "compile": False, "warmup_steps": 0, "measure_steps": 1},
+    }))  # fmt: skip
+
+    def peak(checkpointing):
+        out = subprocess.run(
+            [sys.executable, "-m", "mbtune", "trial", str(path), "--json", "--set",
+             f"trial.activation_checkpointing={str(checkpointing).lower()}"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        result = json.loads(out.splitlines()[-1])
+        assert result["status"] == "ok" and result["activation_checkpointing"] is checkpointing
+        return result["peak_memory_bytes"]
+
+    without, with_ = peak(False), peak(True)
+    assert with_ <= 0.85 * without, (with_, without)
