@@ -479,6 +479,8 @@ def _export(trials: Any, info: Any, framework: str) -> int:
         pipeline_stages=rec.pipeline_stages,
         recommended_batch_size=rec.recommended_batch_size,
         header=header,
+        precision=rec.precision,
+        activation_checkpointing=c.activation_checkpointing,
     )
     path = info.path / snippet.filename
     print(snippet.text, end="")

@@ -370,3 +370,22 @@ def test_analyze_help(capsys):
     assert info.value.code == 0 and out.startswith("usage: mbtune analyze")
     for option in ("--format", "--export", "--no-plots", "RUN_DIR"):
         assert option in out
+
+
+def test_analyze_exports_the_precision_and_checkpointing_measured(capsys, tmp_path):
+    from rundirs import make_run, trial_row
+
+    path = make_run(
+        tmp_path,
+        [
+            trial_row(32, 2, 8, 500.0, precision="bf16", activation_checkpointing=True),
+            trial_row(32, 2, 4, 400.0, precision="bf16"),
+        ],
+    )
+    code, out, err = run(capsys, "analyze", path, "--export", "deepspeed")
+    assert code == 0
+    snippet = json.loads(out)
+    assert snippet["bf16"] == {"enabled": True}
+    assert snippet["train_micro_batch_size_per_gpu"] == 8
+    code, out, _ = run(capsys, "analyze", path, "--no-plots")
+    assert "micro_batch_size 8 (2 micro-batches per device, bf16, with activation " in out
