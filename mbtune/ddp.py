@@ -1,7 +1,7 @@
 """Data-parallel trials (``trial.parallel: ddp``): one trial is one Ray Train run.
 
 ``num_devices`` workers of a Ray Train ``TorchTrainer`` (gloo on the CPU, NCCL on GPUs)
-each take their share of the global batch as DESIGN.md spreads it (B / n samples, the
+each take their share of the global batch as docs/design.md spreads it (B / n samples, the
 first B % n ranks one more), split it into micro-batches as the even split does, and run
 the trial protocol on a model wrapped in PyTorch's ``DistributedDataParallel``: the
 micro-batches of a step accumulate under ``no_sync()`` but the last, whose backward pass

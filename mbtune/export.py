@@ -10,7 +10,7 @@ express, and every change is said in ``Export.notes``:
    micro-batches of 4: the same measurement as m = 4);
 2. the run's own recommended global batch for (n, m) is used where it has one;
 3. otherwise the batch size moves to the nearest one the framework accepts for the same
-   n and m (ties go up), as explore mode recommends a global batch (DESIGN.md).
+   n and m (ties go up), as explore mode recommends a global batch (docs/design.md).
 """
 
 from __future__ import annotations

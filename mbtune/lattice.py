@@ -1,6 +1,6 @@
 """The batch lattice: which (batch_size, num_devices, micro_batch_size) can run, and how.
 
-Pure integer arithmetic (no torch, no ray), in the vocabulary of DESIGN.md:
+Pure integer arithmetic (no torch, no ray), in the vocabulary of docs/design.md:
 
     B  batch_size         global batch, samples per optimizer step, all devices together
     n  num_devices        data-parallel devices

@@ -1,6 +1,6 @@
 """One trial: build, compile, warm up and time a microbatched training step.
 
-The trial is the measuring instrument of the whole tool. It follows DESIGN.md's trial
+The trial is the measuring instrument of the whole tool. It follows docs/design.md's trial
 protocol: one optimizer step = g forward/backward passes over micro-batches that differ
 by at most one sample, each loss scaled by (micro-batch samples / P) so the accumulated
 gradient equals the full-batch one, then the gradient all-reduce, then the optimizer
