@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from mbtune.errors import MbtuneError
 
 __all__ = [
     "EXIT_CLUSTER_LOST", "TOKEN_CHECK_S", "check_reachable", "cluster_size", "init_ray",
-    "token_note", "watch_head",
+    "token_note", "token_source", "watch_head",
 ]  # fmt: skip
 
 EXIT_CLUSTER_LOST = 75
@@ -144,12 +144,79 @@ def _without(flag: str) -> str:
 
 def _check_token(address: str, quiet: bool, flag: str) -> None:
     """A cluster with token authentication refuses a driver without its token. Ask once,
-    for at most TOKEN_CHECK_S; anything but a refused token is left for ray.init to report."""
+    for at most TOKEN_CHECK_S; anything but a refused token is left for ray.init to report.
+    Refused without a token where one is at hand (RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token): use it, as ``--address auto`` does, say
+    so in one line, and ask again."""
     try:
-        from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError
     except ImportError:  # a Ray without token authentication
         return
+    if not isinstance(_ask_gcs(address, quiet), AuthenticationError):
+        return  # no answer, or not a token problem: ray.init says what it is
+    mode = os.environ.get("RAY_AUTH_MODE", "")
+    if mode.lower() == "token":
+        raise MbtuneError(_refused(flag, address, "this token"))
+    if mode:  # the user's explicit choice: not overridden
+        raise MbtuneError(
+            f"{flag}: the Ray cluster at {address} requires token authentication, and "
+            f"RAY_AUTH_MODE is {mode!r} here: unset it, or set it to token"
+        )
+    source = token_source(os.environ, Path.home())
+    if source is None:
+        raise MbtuneError(
+            f"{flag}: the Ray cluster at {address} requires token authentication: set "
+            "RAY_AUTH_TOKEN to its token, or write it to ~/.ray/auth_token (on the head node, "
+            "`ray get-auth-token` prints it)"
+        )
+    _send_token()
+    if isinstance(_ask_gcs(address, quiet), AuthenticationError):
+        raise MbtuneError(_refused(flag, address, f"the token in {source}"))
+    print(
+        f"mbtune: the Ray cluster at {address} requires token authentication: using the "
+        f"token in {source}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _refused(flag: str, address: str, token: str) -> str:
+    return (
+        f"{flag}: the Ray cluster at {address} refused {token}; Ray reads it from "
+        "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (on the head node, "
+        "`ray get-auth-token` prints the cluster's)"
+    )
+
+
+def token_source(environ: Mapping[str, str], home: Path) -> str | None:
+    """Where Ray's token loader would find a token, in its order: ``RAY_AUTH_TOKEN``, else
+    the file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``; None where none is."""
+    if environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    named = environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(named) if named else home / ".ray" / "auth_token"
+    try:
+        held = path.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    return str(path) if held else None
+
+
+def _send_token() -> None:
+    """Send the token this process finds with every request to Ray, from now on (what
+    ``RAY_AUTH_MODE=token`` in the environment does; Ray reads its config once)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _ask_gcs(address: str, quiet: bool) -> BaseException | None:
+    """Connect to the GCS at ``address`` once, for at most TOKEN_CHECK_S; what it raised
+    (None: it answered, or did not answer in time)."""
+    from ray._raylet import GcsClient
+
     answer: list[BaseException | None] = []
 
     def ask() -> None:
@@ -163,19 +230,7 @@ def _check_token(address: str, quiet: bool, flag: str) -> None:
         asking = threading.Thread(target=ask, name="mbtune-token-check", daemon=True)
         asking.start()
         asking.join(TOKEN_CHECK_S)
-    if not answer or not isinstance(answer[0], AuthenticationError):
-        return  # no answer, or not a token problem: ray.init says what it is
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        raise MbtuneError(
-            f"{flag}: the Ray cluster at {address} refused this token; Ray reads it from "
-            "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (on the head node, "
-            "`ray get-auth-token` prints the cluster's)"
-        )
-    raise MbtuneError(
-        f"{flag}: the Ray cluster at {address} requires token authentication: set "
-        "RAY_AUTH_MODE=token, and RAY_AUTH_TOKEN to its token unless ~/.ray/auth_token "
-        "holds it (on the head node, `ray get-auth-token` prints it)"
-    )
+    return answer[0] if answer else None
 
 
 @contextlib.contextmanager

@@ -175,11 +175,15 @@ def test_a_search_runs_on_the_cluster_and_goes_on_when_a_worker_node_is_lost(clu
 @pytest.mark.slow
 def test_joining_a_cluster_without_its_token_is_a_one_line_error(cluster, tmp_path):
     held = Held(tmp_path)
+    (tmp_path / "home").mkdir()  # no ~/.ray/auth_token: no token at hand
     env = {k: v for k, v in cluster.env().items() if not k.startswith("RAY_AUTH_")}
+    env["HOME"] = str(tmp_path / "home")
     cases = [
-        (env, "requires token authentication: set RAY_AUTH_MODE=token"),
+        (env, "requires token authentication: set RAY_AUTH_TOKEN to its token, or write it "
+              "to ~/.ray/auth_token"),
+        ({**env, "RAY_AUTH_TOKEN": "0" * 64}, "refused the token in RAY_AUTH_TOKEN"),
         ({**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, "refused this token"),
-    ]
+    ]  # fmt: skip
     command = [*MBTUNE, "run", str(held.file), "--address", cluster.address]
     runs = [  # at once: each is a whole mbtune start-up
         (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -193,6 +197,46 @@ def test_joining_a_cluster_without_its_token_is_a_one_line_error(cluster, tmp_pa
                               f"{says}")  # fmt: skip
         assert err.count("\n") == 1  # one line: Ray's own log of the refusal is not shown
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_a_named_cluster_that_wants_a_token_gets_the_one_at_hand(cluster, tmp_path):
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(cluster.token + "\n")
+    env = {k: v for k, v in cluster.env().items() if not k.startswith("RAY_AUTH_")}
+    joining = "import sys; from mbtune.cluster import init_ray; print(init_ray(sys.argv[1], 0, 0))"
+    for environment, source in [
+        ({**env, "RAY_AUTH_TOKEN": cluster.token}, "RAY_AUTH_TOKEN"),
+        ({**env, "HOME": str(tmp_path)}, str(tmp_path / ".ray" / "auth_token")),
+    ]:
+        done = subprocess.run([sys.executable, "-c", joining, cluster.address], env=environment,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == (f"mbtune: the Ray cluster at {cluster.address} requires token "
+                               f"authentication: using the token in {source}\n")  # fmt: skip
+        assert done.stdout.endswith(f":{cluster.port}', None)\n")  # joined
+
+
+def test_a_token_is_at_hand_where_rays_loader_would_find_one(tmp_path):
+    from mbtune.cluster import token_source
+
+    default = tmp_path / ".ray" / "auth_token"
+    assert token_source({}, tmp_path) is None
+    assert token_source({"RAY_AUTH_TOKEN": " "}, tmp_path) is None
+    default.parent.mkdir()
+    default.write_text("\n")  # empty: no token
+    assert token_source({}, tmp_path) is None
+    default.write_text("abc\n")
+    assert token_source({}, tmp_path) == str(default)
+    assert token_source({"RAY_AUTH_TOKEN": "abc"}, tmp_path) == "RAY_AUTH_TOKEN"
+    named = tmp_path / "named"
+    # RAY_AUTH_TOKEN_PATH replaces ~/.ray/auth_token, as in Ray: a missing file is no token
+    assert token_source({"RAY_AUTH_TOKEN_PATH": str(named)}, tmp_path) is None
+    named.write_text("xyz")
+    assert token_source({"RAY_AUTH_TOKEN_PATH": str(named)}, tmp_path) == str(named)
+    assert token_source({"RAY_AUTH_TOKEN": "a", "RAY_AUTH_TOKEN_PATH": str(named)}, tmp_path) == (
+        "RAY_AUTH_TOKEN"
+    )
 
 
 @pytest.mark.slow
