@@ -11,15 +11,23 @@ The contract (checked when the model is built):
 
 - `build(**options)` returns a 3-tuple `(module, make_batch, loss)`.
 - `module` is a `torch.nn.Module`; mbtune moves it to the device and compiles it.
-- `make_batch(n, device)` returns a tensor or a tuple of tensors whose leading
-  dimension is n (one row per sample), created directly on `device` from torch's
-  global RNG (mbtune seeds it).
-- `loss(module, batch)` returns the scalar MEAN loss over the samples of `batch`.
-  mbtune scales each micro-batch loss by (micro-batch samples / per-device batch), so
-  the accumulated gradient equals the full-batch gradient.
+- `make_batch(n, device)` returns a tensor, a tuple or list of tensors, or a mapping of
+  names to tensors (what a Hugging Face collator gives: {"input_ids": ..., "labels":
+  ...}), every tensor with leading dimension n (one row per sample), created directly
+  on `device` from torch's global RNG (mbtune seeds it).
+- `loss(module, batch)` returns the scalar MEAN loss over the samples of `batch`, which
+  arrives in the form make_batch returned: a micro-batch of a bare tensor is a bare
+  tensor, of a dict a dict (so `module(**batch).loss` works). mbtune scales each
+  micro-batch loss by (micro-batch samples / per-device batch), so the accumulated
+  gradient equals the full-batch gradient.
 - If the loss is not a sum over samples (BatchNorm, in-batch negatives, a contrastive
   loss), set `module.mbtune_mixes_batch = "a sentence saying why"`; mbtune then tries
   only micro_batch_size = per-device batch. BatchNorm layers are detected on their own.
+- Activation checkpointing (`trial.activation_checkpointing`): name the class of the
+  model's repeated block in the reserved key `model.checkpoint_blocks` (e.g. `Block`, or
+  a list of class names; it is not passed to `build`). mbtune then recomputes the
+  activations of every submodule of that class in the backward pass
+  (torch.utils.checkpoint, non-reentrant). This model is too small to have blocks.
 """
 
 import torch

@@ -114,24 +114,29 @@ def export_config(
             f"precision: {amp}\n"
         )
     elif framework == "deepspeed":
+        # DeepSpeed trains in fp32 unless its bf16 or fp16 block is enabled
+        amp = {"bf16": {"enabled": True}} if bf16 else {"fp16": {"enabled": True}} if fp16 else {}
         text = _json(
             train_batch_size=b,
             train_micro_batch_size_per_gpu=m,
             gradient_accumulation_steps=g,
-            bf16={"enabled": bf16},
-            fp16={"enabled": fp16},
+            **amp,
         )
         notes.append(f"{launch} (DeepSpeed's world size {n})")
     elif framework == "hf":
         extra = {"tf32": True} if tf32 else {}
         if checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
+            extra["gradient_checkpointing"] = True
             extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            notes.append(
+                "transformers 5 names gradient_checkpointing(_kwargs) activation_checkpointing"
+                "(_kwargs); the old names, which 4.x needs, still work there (deprecated)"
+            )
         text = _json(
             per_device_train_batch_size=m,
             gradient_accumulation_steps=g,
             bf16=bf16,
             fp16=fp16,
-            gradient_checkpointing=checkpointing,
             **extra,
         )
         notes.append(f"{launch}; pass the keys to transformers.TrainingArguments")

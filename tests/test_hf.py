@@ -314,3 +314,31 @@ def test_the_example_experiment_builds(monkeypatch):
     exp = load_experiment("experiments/hf_gpt2.yaml", [])
     spec = build_model(exp.model.name, exp.model.options)
     assert type(spec.module).__name__ == "GPT2LMHeadModel"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_search_of_a_tiny_gpt2_recommends_and_exports_training_arguments(
+    ray_session, tmp_path, capsys
+):
+    from mbtune.search import run_search
+
+    pytest.importorskip("accelerate")  # TrainingArguments needs it
+    exp = parse_experiment({
+        **experiment({"name": "hf:gpt2", **TINY["gpt2"]}),
+        "train_input": {"batch_size": 8, "micro_batch_size": "auto"},
+        "search": {"space": {"num_devices": [1, 2]}, "sampler": "grid", "num_samples": 3},
+        "output_dir": str(tmp_path),
+    })  # fmt: skip
+    lines = []
+    outcome = run_search(exp, echo=lines.append)
+    assert [r["status"] for r in outcome.rows] == ["ok"] * 3
+    assert any("recommended micro_batch_size:" in line for line in lines)
+
+    capsys.readouterr()
+    assert main(["analyze", str(outcome.run.path), "--export", "hf"]) == 0
+    kwargs = json.loads(capsys.readouterr().out)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **kwargs)
+    best = outcome.best(1)[0]
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    assert per_step * int(best["num_devices"]) == int(best["batch_size"]) == 8
