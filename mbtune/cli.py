@@ -499,11 +499,13 @@ def _export(trials: Any, info: Any, framework: str) -> int:
 
 
 def _trial(args: argparse.Namespace) -> int:
+    from mbtune.progress import one_trial
     from mbtune.trial import run_trial
 
     exp = load_experiment(args.experiment, args.overrides)
     config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
-    result = run_trial(exp, config)
+    with one_trial(config) as on_phase:  # a progress line, on a terminal
+        result = run_trial(exp, config, on_phase=on_phase)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:

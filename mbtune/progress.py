@@ -18,6 +18,7 @@ Nothing here imports Ray at module level: the trial process uses :func:`phase_wr
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -31,8 +32,8 @@ from typing import Any, TextIO
 from mbtune.lattice import BatchConfig
 
 __all__ = [
-    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "echo", "ended", "forwarder", "phase_pipe",
-    "phase_writer", "shown", "started",
+    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "echo", "ended", "forwarder", "one_trial",
+    "phase_pipe", "phase_writer", "shown", "started",
 ]  # fmt: skip
 
 PhaseHook = Callable[[str, int, int], None]  # as mbtune.trial.PhaseHook
@@ -289,23 +290,30 @@ _display: Display | None = None
 
 
 @contextlib.contextmanager
-def shown(finished: int = 0, out: TextIO | None = None) -> Iterator[Display]:
+def shown(
+    finished: int = 0, out: TextIO | None = None, *, board: bool = True
+) -> Iterator[Display]:
     """Show the progress of the trials a search runs while the block runs; ``finished``:
-    how many trials the run had finished before (a resumed run)."""
+    how many trials the run had finished before (a resumed run). ``board``: start the board
+    actor the trial actors tell (Ray must be running); without it, phases are told to the
+    display directly."""
     global _display
-    import ray
 
     out = out or sys.stdout
-    with contextlib.suppress(ValueError):  # a board left by a search that died in this job
-        ray.kill(ray.get_actor(BOARD))
-    board = ray.remote(Board).options(name=BOARD, num_cpus=0, max_restarts=0).remote()
-    display = Display(out, tty=out.isatty(), finished=finished, board=board)
+    display = Display(out, tty=out.isatty(), finished=finished)
+    if board:
+        import ray
+
+        with contextlib.suppress(ValueError):  # a board left by a search that died in this job
+            ray.kill(ray.get_actor(BOARD))
+        display.board = ray.remote(Board).options(name=BOARD, num_cpus=0, max_restarts=0).remote()
     stop = threading.Event()
 
     def tick() -> None:
         while not stop.wait(TICK_S):
             if display.due():
-                display.poll()
+                if display.board is not None:
+                    display.poll()
                 display.draw()
 
     ticking = threading.Thread(target=tick, name="mbtune-progress", daemon=True)
@@ -320,8 +328,21 @@ def shown(finished: int = 0, out: TextIO | None = None) -> Iterator[Display]:
         with display.lock:
             display._clear()
             out.flush()
-        with contextlib.suppress(Exception):
-            ray.kill(board)
+        if display.board is not None:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(display.board)
+
+
+@contextlib.contextmanager
+def one_trial(config: BatchConfig) -> Iterator[PhaseHook]:
+    """The progress line of one trial measured here (``mbtune trial``), on a terminal; yields
+    the hook to tell its phases to."""
+    with shown(board=False) as display:
+        display.started("trial", config)
+        yield functools.partial(display.phase, "trial")
+        display.ended("trial")
 
 
 def echo(line: str) -> None:

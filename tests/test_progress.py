@@ -168,3 +168,12 @@ def test_piped_output_has_no_progress_line(tmp_path):
     assert "\r" not in done.stdout and "\x1b" not in done.stdout
     assert "starting" not in done.stdout and "building" not in done.stdout
     assert re.search(STAMP + r"trial   1  num_devices 1, .*samples/s  ok\n", done.stdout)
+
+
+@pytest.mark.slow
+def test_mbtune_trial_on_a_terminal_shows_its_phase_and_then_the_result(tmp_path):
+    text = in_a_terminal([*MBTUNE, "trial", str(experiment(tmp_path))], cwd=tmp_path)
+    drawn = [d for d in re.split(r"\r\n|\r\x1b\[K|\r", text) if d]
+    config = "trial   1  num_devices 1, batch_size 4, micro_batch_size 4"
+    assert any(re.fullmatch(STAMP + config + r": building, \d+ s", d) for d in drawn), text
+    assert drawn[-1].startswith("  wall time")  # the line is gone; the result is all that stays
