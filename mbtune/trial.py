@@ -439,11 +439,15 @@ def _compile(module: Any, tr: Any) -> Any:
     return torch.compile(module, mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
 
 
-def _mark_batch_dynamic(batches: list[tuple[Any, ...]]) -> None:
+def _mark_batch_dynamic(batches: list[Any]) -> None:
+    """Mark the sample dimension of every tensor of every micro-batch dynamic, whatever the
+    batch's form (a tensor, a sequence or a mapping of tensors)."""
     import torch
 
+    from mbtune.batch import batch_tensors
+
     for batch in batches:
-        for t in batch:
+        for t in batch_tensors(batch):
             torch._dynamo.mark_dynamic(t, 0)
 
 

@@ -224,3 +224,29 @@ def test_checkpointing_lowers_the_peak_of_a_4_layer_gpt_at_m_32(tmp_path):
 
     without, with_ = peak(False), peak(True)
     assert with_ <= 0.85 * without, (with_, without)
+
+
+@pytest.mark.parametrize("form", ["tensor", "dict"])
+def test_a_dynamic_compile_marks_the_sample_dimension_of_any_batch_form(tmp_path, form):
+    # trial.dynamic marked `for t in batch`: a dict's keys, a bare tensor's rows
+    body = {
+        "tensor": "lambda n, device: torch.randn(n, 4, device=device)",
+        "dict": "lambda n, device: {'x': torch.randn(n, 4, device=device)}",
+    }[form]
+    take = "batch" if form == "tensor" else "batch['x']"
+    (tmp_path / f"dyn_{form}.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    module = torch.nn.Linear(4, 1)\n"
+        f"    return module, {body}, lambda m, batch: m({take}).pow(2).mean()\n"
+    )
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        exp = experiment({"compile": True, "dynamic": True}, model={"name": f"dyn_{form}:build"})
+        result = run_trial(exp, BatchConfig(8, 1, 3))
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert result.status == "ok", result.reason
+    assert result.compile_fallback is None
