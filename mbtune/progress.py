@@ -50,8 +50,9 @@ TICK_S = 0.5
 FORWARD_EVERY_S = 0.2
 """A trial actor passes a new step count of the same phase on at most this often."""
 
-BOARD = "mbtune-progress"
-"""The board actor's name, in the driver's job (whose trial actors alone see it)."""
+BOARD = "mbtune-progress-{job}"
+"""The board actor's name: one per Ray job (the driver's; its trial actors are in it too),
+so that two searches on one cluster, even in one namespace, never share a board."""
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def forwarder() -> PhaseHook | None:
     from ray import tune
 
     try:
-        board = ray.get_actor(BOARD)
+        board = ray.get_actor(_board_name())
         trial_id = tune.get_context().get_trial_id()
     except Exception:  # noqa: BLE001 - no board, or not in a Tune trial: nothing to show
         return None
@@ -131,6 +132,12 @@ def forwarder() -> PhaseHook | None:
         board.tell.remote(trial_id, phase, done, total)  # not waited on
 
     return forward
+
+
+def _board_name() -> str:
+    import ray
+
+    return BOARD.format(job=ray.get_runtime_context().get_job_id())
 
 
 class Board:
@@ -304,9 +311,10 @@ def shown(
     if board:
         import ray
 
+        name = _board_name()
         with contextlib.suppress(ValueError):  # a board left by a search that died in this job
-            ray.kill(ray.get_actor(BOARD))
-        display.board = ray.remote(Board).options(name=BOARD, num_cpus=0, max_restarts=0).remote()
+            ray.kill(ray.get_actor(name))
+        display.board = ray.remote(Board).options(name=name, num_cpus=0, max_restarts=0).remote()
     stop = threading.Event()
 
     def tick() -> None:
