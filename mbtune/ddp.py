@@ -64,6 +64,7 @@ from mbtune.trial import (
     _reset_peak,
     _with_step_times,
     accumulate_gradients,
+    build_spec,
     device_timer,
     full_batch_if_mixing,
     gradient_bytes,
@@ -405,8 +406,6 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from mbtune.models import build_model
-
     tr = exp.trial
     torch.set_num_threads(exp.cpu_threads)  # as a simulated trial: the CPUs it holds
     device = _rank_device(torch, tr.device)
@@ -415,12 +414,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
 
     # 1. build the model, its optimizer and this rank's data (local: a failure is agreed on)
     precision = for_device(tr.precision, device)
-    spec = build_model(
-        exp.model.name,
-        exp.model.options,
-        seed=exp.search.seed,
-        activation_checkpointing=config.activation_checkpointing,
-    )
+    spec = build_spec(exp, config)
     config, note = full_batch_if_mixing(spec, config)
     loss_fn = precision.loss(spec.loss_fn)
     out: dict[str, Any] = {

@@ -46,6 +46,7 @@ __all__ = [
     "ReplayTable",
     "TrialResult",
     "accumulate_gradients",
+    "build_spec",
     "resolve_device",
     "ring_allreduce_s",
     "run_trial",
@@ -215,20 +216,13 @@ def _measure_torch(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Tr
     phase("building", 0, 0)
     import torch
 
-    from mbtune.models import build_model
-
     tr = exp.trial
     # the CPUs the trial holds, whoever runs it: a search's trial process (Ray sets
     # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(tr.device)
     precision = for_device(tr.precision, device)
-    spec = build_model(
-        exp.model.name,
-        exp.model.options,
-        seed=exp.search.seed,
-        activation_checkpointing=config.activation_checkpointing,
-    )
+    spec = build_spec(exp, config)
     config, note = full_batch_if_mixing(spec, config)
     base = dataclasses.replace(
         _base_result(exp, config, device=str(device), note=note), precision=precision.name
@@ -242,6 +236,19 @@ def _measure_torch(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Tr
         return dataclasses.replace(base, status="error", reason=_one_line(exc))
     finally:
         _release(torch, device)
+
+
+def build_spec(exp: Experiment, config: BatchConfig) -> Any:
+    """The model of ``exp`` as ``config`` runs it: seeded, and with activation
+    checkpointing where the configuration has it (a simulated trial and a ddp rank alike)."""
+    from mbtune.models import build_model
+
+    return build_model(
+        exp.model.name,
+        exp.model.options,
+        seed=exp.search.seed,
+        activation_checkpointing=config.activation_checkpointing,
+    )
 
 
 def full_batch_if_mixing(spec: Any, config: BatchConfig) -> tuple[BatchConfig, str | None]:
