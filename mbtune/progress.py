@@ -109,9 +109,9 @@ def phase_pipe(on_phase: PhaseHook | None) -> Iterator[tuple[list[str], tuple[in
 
 
 def forwarder() -> PhaseHook | None:
-    """In a search's trial actor: a hook that passes phases on to the driver's board, at
-    most one a phase per FORWARD_EVERY_S; None where there is no board (a trial outside a
-    search, or a search that shows none)."""
+    """In a search's trial actor: a hook that passes phases on to the driver's board (a new
+    phase at once, a new step count of the same phase at most every FORWARD_EVERY_S); None
+    where there is no board (a trial outside a search)."""
     import ray
     from ray import tune
 
@@ -314,7 +314,12 @@ def shown(
         name = _board_name()
         with contextlib.suppress(ValueError):  # a board left by a search that died in this job
             ray.kill(ray.get_actor(name))
-        display.board = ray.remote(Board).options(name=name, num_cpus=0, max_restarts=0).remote()
+        try:
+            display.board = (
+                ray.remote(Board).options(name=name, num_cpus=0, max_restarts=0).remote()
+            )
+        except Exception:  # noqa: BLE001 - no board: trials show "starting", never fail
+            display.board = None
     stop = threading.Event()
 
     def tick() -> None:
