@@ -59,6 +59,8 @@ def starter_text(
         "trial:",
         _line(f"  device: {device}", "auto, cpu or cuda"),
         _line("  parallel: simulate", "one device measured, the all-reduce modelled; or ddp"),
+        _line("  precision: auto", "auto: bf16 where the card has it; or fp32, tf32, bf16, fp16"
+              if cuda else "auto: fp32 on a CPU; or bf16"),
         _line("  compile: true", "torch.compile; compile time is reported apart"),
         "  warmup_steps: 2",
         _line("  measure_steps: 5", "timed optimizer steps per trial"),
