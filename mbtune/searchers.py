@@ -92,11 +92,11 @@ class OptunaSpace:
     def __init__(self, points: Sequence[BatchConfig]) -> None:
         self.by_n: dict[int, list[int]] = defaultdict(list)
         self.by_nb: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for c in sorted(set(points)):
-            if c.batch_size not in self.by_n[c.num_devices]:
-                self.by_n[c.num_devices].append(c.batch_size)
-            if c.micro_batch_size not in self.by_nb[c.num_devices, c.batch_size]:
-                self.by_nb[c.num_devices, c.batch_size].append(c.micro_batch_size)
+        # (B, n, m) once each, whatever settings of activation checkpointing come with it
+        for n, b, m in sorted({(c.num_devices, c.batch_size, c.micro_batch_size) for c in points}):
+            if not self.by_n[n] or self.by_n[n][-1] != b:
+                self.by_n[n].append(b)
+            self.by_nb[n, b].append(m)
         self.checkpointing = sorted({c.activation_checkpointing for c in points})
         """[False], [True] or [False, True]: the last a categorical parameter of its own
         (every (B, n, m) of the lattice comes with each setting of the space)."""
