@@ -31,7 +31,7 @@ import yaml
 from mbtune import record
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
-from mbtune.reporter import step_words
+from mbtune.reporter import step_suffix
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -546,7 +546,7 @@ def _recommendation_line(rec: Recommendation) -> str:
         if rec.recommended_batch_size
         else ""
     )
-    step = "".join(f", {w}" for w in step_words(rec.precision, c.activation_checkpointing))
+    step = step_suffix(rec.precision, c.activation_checkpointing)
     return (
         f"recommended ({source}): num_devices {c.num_devices}, batch_size {c.batch_size}, "
         f"micro_batch_size {c.micro_batch_size} ({c.grad_accum_steps} micro-batch"

@@ -23,7 +23,7 @@ from mbtune import lattice
 from mbtune.confidence import Assessment, as_number, assess, observation
 from mbtune.lattice import BatchConfig
 
-__all__ = ["Recommendation", "Reporter", "step_words"]
+__all__ = ["Recommendation", "Reporter", "step_suffix"]
 
 Row = Mapping[str, Any]
 
@@ -72,7 +72,7 @@ class Recommendation:
 
     def line(self) -> str:
         c = self.config
-        step = "".join(f", {s}" for s in step_words(self.precision, c.activation_checkpointing))
+        step = step_suffix(self.precision, c.activation_checkpointing)
         mfu = f", MFU {self.mfu:.0%}" if self.mfu is not None else ""
         return (
             f"mbtune {self.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
@@ -82,12 +82,13 @@ class Recommendation:
         )
 
 
-def step_words(precision: str | None, activation_checkpointing: bool) -> list[str]:
-    """How a step computes, in words: ['bf16', 'with activation checkpointing']."""
+def step_suffix(precision: str | None, activation_checkpointing: bool) -> str:
+    """How a step computes, to follow a configuration's sizes: ', bf16, with activation
+    checkpointing' (empty where neither is known or on)."""
     words = [precision] if precision else []
     if activation_checkpointing:
         words.append("with activation checkpointing")
-    return words
+    return "".join(f", {w}" for w in words)
 
 
 class Reporter:

@@ -35,7 +35,7 @@ from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, as_flag
-from mbtune.reporter import Reporter, step_words
+from mbtune.reporter import Reporter, step_suffix
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -542,12 +542,7 @@ def _trial_line(row: dict[str, Any]) -> str:
     speed = row.get("samples_per_s")
     figure = f"{float(speed):,.1f} samples/s" if speed not in (None, "") else "-"
     status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
-    step = "".join(
-        f", {w}"
-        for w in step_words(
-            row.get("precision"), as_flag(row.get("activation_checkpointing", False))
-        )
-    )
+    step = step_suffix(row.get("precision"), as_flag(row.get("activation_checkpointing", False)))
     mfu = row.get("mfu")
     figure += f", MFU {float(mfu):.0%}" if mfu not in (None, "") else ""
     return (
@@ -570,10 +565,7 @@ def _print_summary(outcome: SearchOutcome, echo: Any) -> None:
         if summary.get("speedup_over_user")
         else ""
     )
-    step = "".join(
-        f", {w}"
-        for w in step_words(best.get("precision"), best.get("activation_checkpointing", False))
-    )
+    step = step_suffix(best.get("precision"), best.get("activation_checkpointing", False))
     mfu = f" (MFU {best['mfu']:.0%})" if best.get("mfu") is not None else ""
     echo(
         f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
