@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mbtune.config import Experiment
-from mbtune.flops import count_flops_per_sample, peak_tflops, utilisation
+from mbtune.flops import count_flops_per_sample, device_peak, utilisation
 from mbtune.lattice import BatchConfig, even_split
 from mbtune.precision import for_device
 from mbtune.trial import (
@@ -68,6 +68,7 @@ from mbtune.trial import (
     device_timer,
     full_batch_if_mixing,
     gradient_bytes,
+    memory_budget,
     resolve_device,
     split_batch,
 )
@@ -293,10 +294,7 @@ def _result(exp: Experiment, config: BatchConfig, out: dict[str, Any]) -> TrialR
     comm = statistics.median(out["comm_s"]) if out["comm_s"] else 0.0
     tokens = out["tokens_per_sample"]
     flops = out.get("flops_per_sample")
-    peak = tr.peak_tflops or (
-        peak_tflops(out.get("device_name", ""), out["precision"]) if out.get("precision") else None
-    )
-    tflops, mfu = utilisation(flops, result.samples_per_s, config.num_devices, peak)
+    tflops, mfu = utilisation(flops, result.samples_per_s, config.num_devices, out["peak_tflops"])
     return dataclasses.replace(
         result,
         flops_per_sample=flops,
@@ -423,7 +421,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
         "compute_s": [], "comm_s": [], "eval_s": None, "peak_memory_bytes": None,
         "tokens_per_sample": spec.tokens_per_sample, "compile_fallback": None,
         "precision": precision.name, "flops_per_sample": None,
-        "device_name": torch.cuda.get_device_name(device) if cuda else device.type,
+        "peak_tflops": device_peak(device, precision.name, tr.peak_tflops),
     }  # fmt: skip
     share = config.batch_size / config.num_devices  # each micro-batch's loss is a share of it
     failure: BaseException | None = None
@@ -482,7 +480,8 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> dict[str, Any]:
         _reset_peak(torch, device)
 
         def over_budget() -> str | None:
-            return _over_budget(tr, tr.device_memory, _peak_memory(torch, device))
+            budget = memory_budget(torch, device, tr.device_memory)
+            return _over_budget(tr, budget, _peak_memory(torch, device))
 
         # 3. warm-up and timed steps, each started on every rank together
         verdict = None

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PEAK_TFLOPS", "count_flops_per_sample", "peak_tflops", "utilisation"]
+__all__ = ["PEAK_TFLOPS", "count_flops_per_sample", "device_peak", "peak_tflops", "utilisation"]
 
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"H100.*PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
@@ -38,6 +38,18 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if re.search(pattern, device_name):
             return peaks.get(precision)
     return None
+
+
+def device_peak(device: Any, precision: str, given: float | None = None) -> float | None:
+    """The peak a trial on ``device`` is measured against: ``given`` (trial.peak_tflops)
+    where set, else the table's for a CUDA card, else None (a CPU's is not known)."""
+    if given:
+        return given
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return peak_tflops(torch.cuda.get_device_name(device), precision)
 
 
 def count_flops_per_sample(loss_fn: Callable, module: Any, batch: Any, samples: int) -> float:

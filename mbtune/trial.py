@@ -37,7 +37,7 @@ from typing import Any
 from mbtune import lattice
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
-from mbtune.flops import count_flops_per_sample, peak_tflops, utilisation
+from mbtune.flops import count_flops_per_sample, device_peak, utilisation
 from mbtune.lattice import BatchConfig
 from mbtune.precision import for_device
 
@@ -47,6 +47,7 @@ __all__ = [
     "TrialResult",
     "accumulate_gradients",
     "build_spec",
+    "memory_budget",
     "resolve_device",
     "ring_allreduce_s",
     "run_trial",
@@ -368,12 +369,12 @@ def _timed_steps(
     steps = [c / p * (1 + bubble_share) + comm for c in compute]
     compute_median = statistics.median(compute)
     result = _with_step_times(base, config, steps)
-    over = _over_budget(tr, _memory_budget(torch, device, tr.device_memory), peak)
+    over = _over_budget(tr, memory_budget(torch, device, tr.device_memory), peak)
     tflops, mfu = utilisation(
         flops_per_sample,
         result.samples_per_s,
         config.num_devices,
-        tr.peak_tflops or peak_tflops(_device_name(torch, device), precision.name),
+        device_peak(device, precision.name, tr.peak_tflops),
     )
     if retries is not None:
         retries -= retries_before
@@ -533,17 +534,14 @@ def _retry_note(retries: int | None) -> str | None:
     )
 
 
-def _memory_budget(torch: Any, device: Any, device_memory: int | None) -> int | None:
-    """``trial.device_memory``, else on CUDA the card's memory, else None (no budget)."""
+def memory_budget(torch: Any, device: Any, device_memory: int | None) -> int | None:
+    """The memory a trial must fit in: ``trial.device_memory``, else on CUDA the card's
+    memory, else None (no budget): a simulated trial and a ddp rank alike."""
     if device_memory is not None:
         return device_memory
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[1])
     return None
-
-
-def _device_name(torch: Any, device: Any) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _join(*notes: str | None) -> str | None:
