@@ -356,9 +356,7 @@ def _timed_steps(
             phase("timing", k + 1, tr.measure_steps)
             compute.append(timed(step))
         retries = _alloc_retries(torch, device)
-        eval_s = (
-            _eval_time(precision.loss(spec.loss_fn), model, batches, timed) if tr.eval else None
-        )
+        eval_s = _eval_time(loss_fn, model, batches, timed) if tr.eval else None
     peak = _peak_memory(torch, device)
 
     p = max(1, exp.train_input.pipeline_stages)
