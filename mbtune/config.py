@@ -74,6 +74,8 @@ the CPU too."""
 DEFAULT_MEMORY_HEADROOM = 0.05
 """The share of a known memory budget a configuration must leave free to count as fitting:
 allocator fragmentation grows over hours of training (trial.memory_headroom)."""
+MAX_MEMORY_HEADROOM = 0.99
+"""A larger headroom leaves no memory to measure anything in."""
 
 LINKS = {"cpu": (1_850_000_000, 210.0), "cuda": (25 * 10**9, 10.0)}
 """The modelled all-reduce's link (bytes/s, latency per hop in microseconds) when the
@@ -310,11 +312,14 @@ class TrialConfig:
                 f"{self.precision} runs on CUDA only, and trial.device is cpu; use bf16 or "
                 "fp32 on the CPU (or auto)",
             )
-        if self.memory_headroom is not None and not 0 <= self.memory_headroom < 1:
+        if (
+            self.memory_headroom is not None
+            and not 0 <= self.memory_headroom <= MAX_MEMORY_HEADROOM
+        ):
             raise ConfigError(
                 "trial.memory_headroom",
                 f"{_show(self.memory_headroom)} is out of range; expected a share from 0 "
-                "(none) to below 1, e.g. 0.05",
+                f"(none) to {MAX_MEMORY_HEADROOM}, e.g. 0.05",
             )
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(
@@ -851,7 +856,9 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
         precision=sec.choice("precision", PRECISIONS, default="auto"),
         activation_checkpointing=sec.bool("activation_checkpointing", default=False),
         peak_tflops=sec.float("peak_tflops", default=None, minimum=1e-6),
-        memory_headroom=sec.float("memory_headroom", default=None, minimum=0.0, maximum=0.99),
+        memory_headroom=sec.float(
+            "memory_headroom", default=None, minimum=0.0, maximum=MAX_MEMORY_HEADROOM
+        ),
     )
 
 

@@ -93,6 +93,8 @@ def test_the_dataclass_refuses_what_the_yaml_refuses():
         TrialConfig(precision="fp16", device="cpu")
     with pytest.raises(ConfigError, match=r"^trial\.memory_headroom: 1 is out of range"):
         TrialConfig(memory_headroom=1)
+    with pytest.raises(ConfigError, match=r"^trial\.memory_headroom: 0\.995 is out of range"):
+        TrialConfig(memory_headroom=0.995)  # the YAML's bound, 0.99, is the dataclass's
     with pytest.raises(ConfigError, match=r"^trial\.peak_tflops: must be positive"):
         TrialConfig(peak_tflops=0)
 
