@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from mbtune.model_options import HF_TASKS, ModelError, did_you_mean, split_hf_options
-from mbtune.models import Batch, ModelSpec, _one_line, batch_mixing_reason
+from mbtune.model_options import HF_TASKS, ModelError, did_you_mean, one_line, split_hf_options
+from mbtune.model_spec import Batch, ModelSpec, batch_mixing_reason
 
 __all__ = ["build_hf_model"]
 
@@ -81,7 +81,7 @@ def build_hf_model(
     except Exception as exc:  # e.g. a hidden size the heads do not divide
         raise ModelError(
             f"model: transformers cannot build {name} for {task} from these options "
-            f"({_one_line(exc)})"
+            f"({one_line(exc)})"
         ) from exc
     module.train()
     if activation_checkpointing:
@@ -156,7 +156,7 @@ def _config(
         return transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:
         raise ModelError(
-            f"model: transformers refused the options of hf:{model_type} ({_one_line(exc)})"
+            f"model: transformers refused the options of hf:{model_type} ({one_line(exc)})"
         ) from exc
 
 
@@ -167,7 +167,7 @@ def _pretrained(model_type: str, path: str) -> dict[str, Any]:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(
-            f"model.pretrained: cannot read {str(file)!r} ({_one_line(exc)}); expected a "
+            f"model.pretrained: cannot read {str(file)!r} ({one_line(exc)}); expected a "
             "local model directory holding its config.json"
         ) from exc
     found = data.get("model_type") if isinstance(data, dict) else None

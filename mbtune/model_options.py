@@ -21,6 +21,7 @@ __all__ = [
     "check_options",
     "did_you_mean",
     "hf_model_type",
+    "one_line",
     "split_hf_options",
     "split_user_options",
 ]
@@ -110,6 +111,12 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
 def _is_size(value: object) -> bool:
     # a positive int: bool is an int to Python, but `n_layer: true` is a mistake
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message, whitespace folded."""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def did_you_mean(word: str, choices) -> str:

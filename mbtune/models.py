@@ -35,12 +35,10 @@ import sys
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from mbtune.batch import batch_tensors, slice_batch
@@ -51,7 +49,14 @@ from mbtune.model_options import (
     check_options,
     did_you_mean,
     hf_model_type,
+    one_line,
     split_user_options,
+)
+from mbtune.model_spec import (
+    Batch,
+    LossFn,
+    ModelSpec,
+    batch_mixing_reason,
 )
 
 __all__ = [
@@ -68,13 +73,6 @@ __all__ = [
     "slice_batch",
 ]
 
-Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | Mapping[str, torch.Tensor]
-MakeBatch = Callable[[int, torch.device], Batch]
-LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-
-# the attribute a user module (or any of its submodules) sets to a sentence saying why
-# its loss is not a sum over samples, e.g. "the loss uses in-batch negatives"
-MIXES_BATCH_ATTR = "mbtune_mixes_batch"
 
 _BATCH_FORMS = "a tensor, a tuple or list of tensors, or a mapping of names to tensors"
 _USER_CONTRACT = (
@@ -84,29 +82,6 @@ _USER_CONTRACT = (
     "scalar mean loss over the samples"
 )
 _USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """Everything a trial needs to measure one model."""
-
-    module: nn.Module
-    """The model, on the CPU and in training mode; the trial moves and compiles it."""
-
-    make_batch: MakeBatch
-    """make_batch(n, device) -> a tensor, a tuple or list of tensors, or a mapping of names
-    to tensors, dim 0 = sample, created on `device` from torch's global RNG (the trial
-    seeds it)."""
-
-    loss_fn: LossFn
-    """loss_fn(module, batch) -> scalar MEAN loss over the samples of the batch, which
-    comes in the form make_batch returned (a micro-batch too: mbtune.batch.slice_batch)."""
-
-    tokens_per_sample: int | None
-    """seq_len for language models (for tokens/s), None otherwise."""
-
-    mixes_batch: str | None
-    """None if gradient accumulation is exact; else a sentence saying why it is not."""
 
 
 # -----------------------------------------------------------------------------
@@ -402,42 +377,6 @@ def checkpoint_blocks(module: nn.Module, class_names: tuple[str, ...]) -> int:
     return len(blocks)
 
 
-def batch_mixing_reason(module: nn.Module) -> str | None:
-    """Why gradient accumulation is not exact for `module`, as a sentence; None if it is.
-
-    BatchNorm layers (any `_BatchNorm`: 1d/2d/3d, SyncBatchNorm, lazy variants) normalise
-    with statistics of the whole batch; a submodule may also declare
-    `mbtune_mixes_batch = "reason"` (in-batch negatives, a contrastive loss, ...).
-    """
-    batchnorms: list[str] = []
-    declared: list[str] = []
-    for path, sub in module.named_modules():
-        where = path or "model"
-        if isinstance(sub, _BatchNorm):
-            batchnorms.append(f"{where}: {type(sub).__name__}")
-        reason = getattr(sub, MIXES_BATCH_ATTR, None)
-        if reason is None:
-            continue
-        if not isinstance(reason, str) or not reason.strip():
-            raise ModelError(
-                f"model.{MIXES_BATCH_ATTR}: must be a non-empty sentence (str) saying why the "
-                f"model mixes the samples of a batch, got {reason!r} on {where}"
-            )
-        declared.append(f"{reason.strip().rstrip('.')} (declared by {where})")
-
-    reasons: list[str] = []
-    if batchnorms:
-        shown = ", ".join(batchnorms[:3])
-        if len(batchnorms) > 3:
-            shown += f", and {len(batchnorms) - 3} more"
-        reasons.append(
-            f"the model has BatchNorm layers ({shown}), whose statistics mix the samples of "
-            "a batch, so gradient accumulation is not exact"
-        )
-    reasons += declared
-    return "; ".join(reasons) if reasons else None
-
-
 # -----------------------------------------------------------------------------
 # helpers
 
@@ -451,11 +390,6 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     if self.training and torch.is_grad_enabled():
         return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
     return forward(self, *args, **kwargs)  # evaluation keeps nothing for a backward pass
-
-
-def _one_line(exc: BaseException) -> str:
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _build_user_model(
@@ -476,7 +410,7 @@ def _build_user_model(
         py_module = importlib.import_module(module_name)
     except Exception as exc:
         raise ModelError(
-            f"model.name: cannot import {module_name!r} ({_one_line(exc)}); "
+            f"model.name: cannot import {module_name!r} ({one_line(exc)}); "
             "expected package.module:function importable from the current directory"
         ) from exc
 
@@ -498,7 +432,7 @@ def _build_user_model(
     try:
         returned = function(**options)
     except Exception as exc:
-        raise ModelError(f"model.name: {name!r} raised {_one_line(exc)}") from exc
+        raise ModelError(f"model.name: {name!r} raised {one_line(exc)}") from exc
 
     module, make_batch, loss_fn = _check_user_return(name, returned)
     _checkpoint_user_blocks(name, module, block_names, asked=activation_checkpointing)
@@ -512,7 +446,7 @@ def _build_user_model(
             raise
         except Exception as exc:
             raise ModelError(
-                f"model.name: make_batch(2, cpu) from {name!r} raised {_one_line(exc)}"
+                f"model.name: make_batch(2, cpu) from {name!r} raised {one_line(exc)}"
             ) from exc
 
     return ModelSpec(

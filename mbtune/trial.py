@@ -811,8 +811,10 @@ def trial_metrics(
 
 
 def _one_line(exc: BaseException) -> str:
-    message = " ".join(str(exc).split())
-    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    """model_options.one_line, cut at 300 characters for a row of trials.csv."""
+    from mbtune.model_options import one_line
+
+    text = one_line(exc)
     return text if len(text) <= 300 else text[:297] + "..."
 
 
