@@ -370,7 +370,12 @@ def _space(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment, args.overrides)
     rows = space_rows(exp)
-    distinct = len({c.canonical() for c in exp.configs()})
+    distinct = len(
+        {
+            (r["batch_size"], r["num_devices"], r["runs_as"], r.get("activation_checkpointing"))
+            for r in rows
+        }
+    )
     if args.format == "json":
         print(json.dumps({"count": len(rows), "distinct": distinct, "configurations": rows}))
     elif args.format == "csv":
