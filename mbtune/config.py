@@ -247,6 +247,8 @@ class SearchConfig:
     (0.02 = 2%); None: 0.035 for real trials (DEFAULT_NOISE_FLOOR says where from), 0 for
     replayed ones, whose only noise is in their step times."""
     seed: int = 0
+    max_repeats: int = 3
+    """Most times one configuration is measured (1: never measure one again)."""
     start_points: tuple[BatchConfig, ...] = ()
     """Configurations to measure first, before the sampler proposes."""
 
@@ -259,6 +261,10 @@ class TrialConfig:
     """CSV of measured throughputs, for the replay backend."""
     noise: float = 0.0
     """Relative noise added to each replayed step time (0.03 = 3%)."""
+    drift: float = 0.0
+    """Replay only: the relative sd of one seeded multiplicative factor drawn per replayed
+    trial, on top of ``noise`` per step (0.035 = 3.5%), as a real machine drifts between
+    trials; 0 <= drift < 1."""
     device: str = "auto"
     """``auto`` (CUDA where there is one), ``cpu`` or ``cuda``."""
     parallel: str = "simulate"
@@ -324,6 +330,18 @@ class TrialConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(
                 "trial.peak_tflops", f"must be positive, got {_show(self.peak_tflops)}"
+            )
+        if not 0 <= self.drift < 1:
+            raise ConfigError(
+                "trial.drift",
+                f"{_show(self.drift)} is out of range; expected a number from 0 up to (not "
+                "including) 1, e.g. 0.035",
+            )
+        if self.drift and self.table is None:
+            raise ConfigError(
+                "trial.drift",
+                f"drift {self.drift:g} applies to replayed trials only, and trial.table is not "
+                "set; set trial.backend: replay with trial.table, or drift: 0",
             )
 
     def headroom(self, budget: int | None) -> float:
@@ -761,6 +779,7 @@ def _parse_search(raw: Any, base: Path) -> SearchConfig:
         confidence_target=sec.int("confidence_target", default=90, maximum=100),
         noise_floor=sec.float("noise_floor", default=None, minimum=0.0, maximum=1.0),
         seed=sec.int("seed", default=0, minimum=0),
+        max_repeats=sec.int("max_repeats", default=3),
         start_points=_parse_points(sec.get("start_points", default=[]), "search.start_points"),
     )
 
@@ -838,6 +857,7 @@ def _parse_trial(raw: Any, base: Path) -> TrialConfig:
         backend=sec.choice("backend", BACKENDS, default="torch"),
         table=_resolve(base / table, "trial.table") if table is not None else None,
         noise=sec.float("noise", default=0.0, minimum=0.0, maximum=1.0),
+        drift=sec.float("drift", default=0.0, minimum=0.0, maximum=1.0),
         device=sec.choice("device", DEVICES, default="auto"),
         parallel=sec.choice("parallel", PARALLEL, default="simulate"),
         compile=sec.bool("compile", default=True),

@@ -104,6 +104,19 @@ def test_defaults():
     assert [c.micro_batch_size for c in exp.configs()] == [1, 2, 4, 8, 16, 32]
 
 
+def test_drift_and_max_repeats_are_read_with_their_defaults(tmp_path):
+    table = tmp_path / "t.csv"
+    table.write_text("batch_size,num_devices,micro_batch_size,samples_per_s\n32,1,32,10\n")
+    assert (make().trial.drift, make().search.max_repeats) == (0.0, 3)
+    exp = make(
+        trial={"backend": "replay", "table": str(table), "drift": 0.035},
+        search={"max_repeats": 1},
+    )
+    assert (exp.trial.drift, exp.search.max_repeats) == (0.035, 1)
+    again = parse_experiment(exp.to_dict())
+    assert (again.trial, again.search.max_repeats) == (exp.trial, 1)
+
+
 def test_the_modelled_link_defaults_to_the_trial_device_and_each_part_can_be_set():
     from mbtune.config import LINKS
 
@@ -245,6 +258,12 @@ BAD = [
     ({"trial": {"compile": "yes"}}, r"^trial\.compile: expected true or false, got 'yes'"),
     ({"trial": {"measure_steps": 0}}, r"^trial\.measure_steps: 0 is out of range"),
     ({"trial": {"noise": float("nan")}}, r"^trial\.noise: expected a number from 0.0 to 1.0"),
+    ({"trial": {"drift": 1.0}}, r"^trial\.drift: 1\.0 is out of range; expected a number from 0 "
+     r"up to \(not including\) 1"),
+    ({"trial": {"drift": 0.03}}, r"^trial\.drift: drift 0\.03 applies to replayed trials only, "
+     r"and trial\.table is not set"),
+    ({"search": {"max_repeats": 0}}, r"^search\.max_repeats: 0 is out of range; expected a whole "
+     r"number from 1"),
     ({"trial": {"device_memory": "lots"}}, r"^trial\.device_memory: 'lots' is not a memory "
      r"size"),
     ({"ray": {"max_concurrent_trials": 0}}, r"^ray\.max_concurrent_trials: 0 is out of range"),
