@@ -31,7 +31,7 @@ import yaml
 from mbtune import record
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
-from mbtune.reporter import step_suffix
+from mbtune.report import step_suffix
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [

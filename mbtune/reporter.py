@@ -22,8 +22,9 @@ from typing import Any
 from mbtune import lattice
 from mbtune.confidence import Assessment, as_number, assess, observation
 from mbtune.lattice import BatchConfig
+from mbtune.report import step_suffix
 
-__all__ = ["Recommendation", "Reporter", "step_suffix"]
+__all__ = ["Recommendation", "Reporter"]
 
 Row = Mapping[str, Any]
 
@@ -80,15 +81,6 @@ class Recommendation:
             f"performance: {self.estimated_performance:.2f}x base{mfu}, confidence score: "
             f"{self.confidence} (out of 100)"
         )
-
-
-def step_suffix(precision: str | None, activation_checkpointing: bool) -> str:
-    """How a step computes, to follow a configuration's sizes: ', bf16, with activation
-    checkpointing' (empty where neither is known or on)."""
-    words = [precision] if precision else []
-    if activation_checkpointing:
-        words.append("with activation checkpointing")
-    return "".join(f", {w}" for w in words)
 
 
 class Reporter:

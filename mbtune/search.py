@@ -34,8 +34,9 @@ from mbtune import progress
 from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig, as_flag
-from mbtune.reporter import Reporter, step_suffix
+from mbtune.lattice import BatchConfig
+from mbtune.report import summary_lines, trial_line
+from mbtune.reporter import Reporter
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -187,7 +188,8 @@ def _fit(
         echo(f"mbtune: interrupted; every finished trial is in {run.trials_file}; continue "
              f"with: mbtune run --resume {run.path}")  # fmt: skip
     outcome = SearchOutcome(run, rows, summary)
-    _print_summary(outcome, echo)
+    for line in summary_lines(rows, summary, run.path):
+        echo(line)
     return outcome
 
 
@@ -464,7 +466,7 @@ class TrialLog(Callback):
             row = self._record(trial, result, crashed)
             if row is None:
                 return
-            self.echo(_trial_line(row))
+            self.echo(trial_line(row))
             rec = self.reporter.update(self.run.trials(), self.run.recommendations())
             if rec is not None:
                 self.run.append_recommendation(rec.record())
@@ -536,67 +538,3 @@ class ConfidenceStop(tune.Stopper):
 
     def stop_all(self) -> bool:
         return self.log.confidence >= self.target
-
-
-def _trial_line(row: dict[str, Any]) -> str:
-    speed = row.get("samples_per_s")
-    figure = f"{float(speed):,.1f} samples/s" if speed not in (None, "") else "-"
-    status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
-    step = step_suffix(row.get("precision"), as_flag(row.get("activation_checkpointing", False)))
-    mfu = row.get("mfu")
-    figure += f", MFU {float(mfu):.0%}" if mfu not in (None, "") else ""
-    return (
-        f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  num_devices "
-        f"{row['num_devices']}, batch_size {row['batch_size']}, micro_batch_size "
-        f"{row['micro_batch_size']}{step}: {figure}  {status}"
-    )
-
-
-def _print_summary(outcome: SearchOutcome, echo: Any) -> None:
-    rows, summary = outcome.rows, outcome.summary
-    failed = sum(r["status"] != "ok" for r in rows)
-    echo(f"mbtune: {len(rows)} trials finished ({failed} not ok); results in {outcome.run.path}")
-    best = summary["recommended"]
-    if best is None:
-        echo("mbtune: no configuration ran successfully")
-        return
-    user = (
-        f", {summary['speedup_over_user']:.2f}x your configuration"
-        if summary.get("speedup_over_user")
-        else ""
-    )
-    step = step_suffix(best.get("precision"), best.get("activation_checkpointing", False))
-    mfu = f" (MFU {best['mfu']:.0%})" if best.get("mfu") is not None else ""
-    echo(
-        f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
-        f"{best['num_devices']}, batch_size {best['batch_size']}{step} (grad_accum_steps "
-        f"{best['grad_accum_steps']}): {best['samples_per_s']:,.1f} samples/s{mfu}, "
-        f"{summary['speedup_over_base']:.2f}x base{user}, confidence score "
-        f"{summary['confidence']} (out of 100)"
-    )
-    if summary["recommended_batch_size"] != best["batch_size"]:
-        echo(
-            f"  the valid batch_size nearest yours for this micro_batch_size and num_devices: "
-            f"{summary['recommended_batch_size']}"
-        )
-    for b in summary["compile_break_even"]:
-        other = b["against"]
-        pays = (
-            f"pays off after {b['break_even_steps']:,} training steps"
-            if b["break_even_steps"]
-            else "never pays off"
-        )
-        echo(
-            f"  it compiles {b['extra_compile_s']:.1f} s slower than micro_batch_size "
-            f"{other['micro_batch_size']} on {other['num_devices']} device(s), and {pays}"
-        )
-    echo("best configurations:")
-    echo(f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}  "
-         f"{'grad_accum':>10}  {'samples/s':>10}  {'compile_s':>9}")  # fmt: skip
-    for i, r in enumerate(summary["top"], start=1):
-        compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
-        echo(
-            f"  {i:>4}  {r['num_devices']:>11}  {r['batch_size']:>10}  "
-            f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
-            f"{r['samples_per_s']:>10,.1f}  {compile_s:>9}"
-        )
