@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -35,9 +32,11 @@ from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.report import summary_lines, trial_line
 from mbtune.reporter import Reporter
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.trial import TrialRequest
 
 __all__ = [
     "SearchOutcome",
@@ -287,10 +286,9 @@ def _start_ray(
 
 
 def _trainable_for(exp: Experiment) -> Any:
+    # Tune puts the Experiment itself in Ray's object store (pickled): trials get it typed
     return tune.with_resources(
-        tune.with_parameters(
-            _trainable, experiment=exp.to_dict(), cwd=os.getcwd(), timeout_s=exp.trial.timeout_s
-        ),
+        tune.with_parameters(_trainable, experiment=exp, cwd=os.getcwd()),
         trial_resources(exp),
     )
 
@@ -305,8 +303,8 @@ def trial_resources(exp: Experiment) -> dict[str, float]:
     return {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial}
 
 
-def _is_ddp(experiment: dict[str, Any]) -> bool:
-    return experiment.get("trial", {}).get("parallel") == "ddp"
+def _is_ddp(exp: Experiment) -> bool:
+    return exp.trial.parallel == "ddp"
 
 
 def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -> int:
@@ -338,101 +336,20 @@ def _optuna_storage(run: RunDir) -> Any:
 # one trial, inside a Ray actor
 
 
-def _trainable(
-    config: dict[str, Any], *, experiment: dict[str, Any], cwd: str, timeout_s: float
-) -> None:
+def _trainable(config: dict[str, Any], *, experiment: Experiment, cwd: str) -> None:
     """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
-    measured, and where, to Tune."""
+    measured, and where, to Tune. ``config["repeat"]``: which measurement of the
+    configuration this is (0: its first)."""
     from mbtune.searchers import pack_result
 
-    batch = BatchConfig.from_mapping(config)
-    on_phase = progress.forwarder()  # to the driver's progress line
-    if _is_ddp(experiment):
-        result = measure_with_ray_train(experiment, batch, cwd=cwd, on_phase=on_phase)
-    else:
-        result = measure_in_subprocess(
-            experiment, batch, cwd=cwd, timeout_s=timeout_s, on_phase=on_phase
-        )
+    request = TrialRequest(
+        experiment=experiment,
+        config=BatchConfig.from_mapping(config),
+        repeat=int(config.get("repeat", 0)),
+    )
+    measure = measure_with_ray_train if _is_ddp(experiment) else measure_in_subprocess
+    result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
     tune.report(pack_result({**result, "node_id": ray.get_runtime_context().get_node_id()}))
-
-
-def measure_with_ray_train(
-    experiment: dict[str, Any], config: BatchConfig, *, cwd: str, on_phase: Any = None
-) -> dict[str, Any]:
-    """Measure ``config`` of a ``parallel: ddp`` experiment: here, in the trial actor, which
-    fits a Ray Train run and runs no model code itself (mbtune.ddp says why)."""
-    from mbtune.config import parse_experiment
-    from mbtune.trial import trial_metrics
-
-    return trial_metrics(parse_experiment(experiment), config, cwd=cwd, on_phase=on_phase)
-
-
-KILL_GRACE_S = 60.0
-"""How long past ``timeout_s`` a trial process that did not stop itself (stuck in C code,
-its alarm blocked) runs before the search kills it."""
-
-
-def measure_in_subprocess(
-    experiment: dict[str, Any],
-    config: BatchConfig,
-    *,
-    cwd: str,
-    timeout_s: float,
-    on_phase: Any = None,
-) -> dict[str, Any]:
-    """Measure ``config`` in a child process; a crash, a kill or a hang is a result too.
-    ``on_phase`` hears each phase of the trial as it happens (mbtune.trial.PhaseHook)."""
-    payload = json.dumps({"experiment": experiment, "config": config.as_dict()})
-    started = time.perf_counter()
-    base = {**config.as_dict(), "objective": 0.0, "reason": None}
-    kill_after = timeout_s + KILL_GRACE_S  # the child stops itself at timeout_s: a backstop
-    try:
-        with progress.phase_pipe(on_phase) as (phase_args, phase_fds):
-            proc = subprocess.run(
-                [sys.executable, "-m", "mbtune.trial", *phase_args],
-                input=payload,
-                capture_output=True,
-                text=True,
-                cwd=cwd,
-                timeout=kill_after,
-                pass_fds=phase_fds,
-            )
-    except subprocess.TimeoutExpired:
-        reason = f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
-        return {**base, "status": "timeout", "reason": reason,
-                "wall_s": time.perf_counter() - started}  # fmt: skip
-    except OSError as e:  # on a cluster: the driver's directory is missing on this node
-        reason = f"cannot start the trial process in {cwd} on {socket.gethostname()}: {e}"
-        return {**base, "status": "error", "reason": reason,
-                "wall_s": time.perf_counter() - started}  # fmt: skip
-    result = _last_json_object(proc.stdout) if proc.returncode == 0 else None
-    if result is not None:
-        return result
-    if proc.returncode == -9:
-        reason = "the trial process was killed (SIGKILL: the kernel's out-of-memory killer?)"
-    elif proc.returncode < 0:
-        reason = f"the trial process was killed by signal {-proc.returncode}"
-    elif proc.returncode == 0:
-        reason = "the trial process printed no result"
-    else:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        reason = tail[-1] if tail else f"the trial process exited with {proc.returncode}"
-    return {**base, "status": "error", "reason": reason,
-            "wall_s": time.perf_counter() - started}  # fmt: skip
-
-
-def _last_json_object(stdout: str) -> dict[str, Any] | None:
-    """The trial's result: the last line of its stdout that is a JSON object (a user model
-    may print, even after the result, from an exit handler)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
 
 
 # ---------------------------------------------------------------------------

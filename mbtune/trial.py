@@ -43,7 +43,9 @@ from mbtune.precision import for_device
 
 __all__ = [
     "STATUSES",
+    "PhaseHook",
     "ReplayTable",
+    "TrialRequest",
     "TrialResult",
     "accumulate_gradients",
     "build_spec",
@@ -159,11 +161,26 @@ PhaseHook = Callable[[str, int, int], None]
 where a phase has no steps to count."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrialRequest:
+    """What a search asks of one trial process (``python -m mbtune.trial``), pickled on its
+    stdin by mbtune.launch."""
+
+    experiment: Experiment
+    """The experiment, validated once by the driver: the trial never parses it again."""
+    config: BatchConfig
+    """The configuration to measure."""
+    repeat: int = 0
+    """Which measurement of this configuration the trial is (0: its first); a replayed
+    trial draws its noise from it."""
+
+
 def run_trial(
     exp: Experiment,
     config: BatchConfig,
     *,
     cwd: str | None = None,
+    repeat: int = 0,
     on_phase: PhaseHook | None = None,
 ) -> TrialResult:
     """Measure one configuration of ``exp`` with its backend.
@@ -171,8 +188,10 @@ def run_trial(
     With ``trial.on_oom: halve`` an out-of-memory result is retried at half the
     micro-batch size (Composer's behaviour) until it fits or the size reaches one.
     ``cwd`` is where a user model is imported from (default: the current directory); it
-    matters only to ``parallel: ddp``, whose workers run in other processes. ``on_phase``
-    hears of each phase of the trial (see :data:`PhaseHook`), for a progress display.
+    matters only to ``parallel: ddp``, whose workers run in other processes. ``repeat``:
+    which measurement of the configuration this is (0: its first; replay draws its noise
+    from it). ``on_phase`` hears of each phase of the trial (see :data:`PhaseHook`), for a
+    progress display.
     """
     phase = on_phase or _no_phase
     started = time.perf_counter()
@@ -186,10 +205,13 @@ def run_trial(
             # ddp keeps its own deadline: its workers stop themselves at timeout_s, where an
             # alarm here would leave them running
             result = measure_ddp(exp, config, cwd=cwd or os.getcwd())
-        else:
-            measure = _replay if exp.trial.backend == "replay" else _measure_torch
+        elif exp.trial.backend == "replay":
             result = _with_timeout(
-                exp.trial.timeout_s, lambda c=config, f=measure: f(exp, c, phase)
+                exp.trial.timeout_s, lambda c=config: _replay(exp, c, repeat, phase)
+            )
+        else:
+            result = _with_timeout(
+                exp.trial.timeout_s, lambda c=config: _measure_torch(exp, c, phase)
             )
         if result is None:
             result = dataclasses.replace(
@@ -642,7 +664,7 @@ _TABLES: dict[Path, ReplayTable] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-def _replay(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> TrialResult:
+def _replay(exp: Experiment, config: BatchConfig, repeat: int, phase: PhaseHook) -> TrialResult:
     phase("replaying", 0, 0)
     tr = exp.trial
     assert tr.table is not None  # checked when the experiment was parsed
@@ -733,7 +755,7 @@ def _with_timeout(timeout_s: float, fn: Callable[[], TrialResult]) -> TrialResul
     """Run ``fn``; past ``timeout_s`` stop it (main thread only) and return None."""
     if threading.current_thread() is not threading.main_thread():
         # no alarm off the main thread; the search's trial process is killed from outside
-        # at timeout_s + 60 s instead (search.measure_in_subprocess)
+        # at timeout_s + 60 s instead (launch.measure_in_subprocess)
         return fn()
 
     def on_alarm(signum: int, frame: Any) -> None:
@@ -766,23 +788,25 @@ def objective(exp: Experiment, result: TrialResult) -> float:
 def _worker_main() -> int:
     """``python -m mbtune.trial``: one trial in a process of its own, for the search.
 
-    Reads {"experiment": ..., "config": ...} as JSON on stdin and prints the result (with
-    the objective) as one JSON line on stdout. With ``--phase-fd N``, writes each phase to
-    file descriptor N as it happens (mbtune.progress).
+    Reads a pickled :class:`TrialRequest` on stdin (from mbtune.launch, in the search's own
+    trial actor) and prints the result (with the objective) as one JSON line on stdout.
+    With ``--phase-fd N``, writes each phase to file descriptor N as it happens
+    (mbtune.progress).
     """
     import json
+    import pickle
     import sys
 
-    from mbtune.config import parse_experiment
     from mbtune.progress import PHASE_FD_FLAG, phase_writer
 
-    request = json.loads(sys.stdin.read())
-    exp = parse_experiment(request["experiment"])
-    config = BatchConfig.from_mapping(request["config"])
+    request: TrialRequest = pickle.load(sys.stdin.buffer)
     on_phase = None
     if PHASE_FD_FLAG in sys.argv:
         on_phase = phase_writer(int(sys.argv[sys.argv.index(PHASE_FD_FLAG) + 1]))
-    print(json.dumps(trial_metrics(exp, config, on_phase=on_phase)))
+    metrics = trial_metrics(
+        request.experiment, request.config, repeat=request.repeat, on_phase=on_phase
+    )
+    print(json.dumps(metrics))
     return 0
 
 
@@ -791,13 +815,14 @@ def trial_metrics(
     config: BatchConfig,
     *,
     cwd: str | None = None,
+    repeat: int = 0,
     on_phase: PhaseHook | None = None,
 ) -> dict:
     """Measure ``config`` and give what the search reports to Tune: the result as a dict,
     its objective, and whether the model's batch mixing changed the micro-batch size. Bad
     input (MbtuneError) is an ``error`` result here: the search goes on."""
     try:
-        result = run_trial(exp, config, cwd=cwd, on_phase=on_phase)
+        result = run_trial(exp, config, cwd=cwd, repeat=repeat, on_phase=on_phase)
     except MbtuneError as e:
         result = dataclasses.replace(
             _base_result(exp, config, device=exp.trial.device, note=None), reason=str(e)

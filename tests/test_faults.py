@@ -16,12 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from mbtune import search
+from mbtune import launch
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
+from mbtune.launch import measure_in_subprocess
 from mbtune.reporter import Reporter
 from mbtune.rundir import RunDir
-from mbtune.search import TrialLog, measure_in_subprocess, run_search
+from mbtune.search import TrialLog, run_search
+from mbtune.trial import TrialRequest
 
 # A user model whose forward pass fails in a different way at each micro-batch size.
 FAULTY = """
@@ -81,8 +83,10 @@ def faulty_experiment(tmp_path, monkeypatch, *, trial=None, search=None, **optio
     )
 
 
-def measure(exp, m, timeout_s=60):
-    return measure_in_subprocess(exp.to_dict(), BatchConfig(32, 1, m), cwd=".", timeout_s=timeout_s)
+def measure(exp, m):
+    return measure_in_subprocess(
+        TrialRequest(experiment=exp, config=BatchConfig(32, 1, m)), cwd="."
+    )
 
 
 # -- the trial process a search runs -------------------------------------------------
@@ -106,10 +110,10 @@ def test_a_trial_past_its_timeout_stops_itself(tmp_path, monkeypatch):
 
 
 def test_a_trial_that_does_not_stop_itself_is_killed(tmp_path, monkeypatch):
-    exp = faulty_experiment(tmp_path, monkeypatch, block_alarm=True)
-    monkeypatch.setattr(search, "KILL_GRACE_S", 1.0)
+    exp = faulty_experiment(tmp_path, monkeypatch, trial={"timeout_s": 2}, block_alarm=True)
+    monkeypatch.setattr(launch, "KILL_GRACE_S", 1.0)
     started = time.perf_counter()
-    result = measure(exp, 8, timeout_s=2)
+    result = measure(exp, 8)
     assert (result["status"], result["micro_batch_size"], result["objective"]) == (
         "timeout", 8, 0
     )  # fmt: skip
