@@ -681,13 +681,33 @@ def _replay(exp: Experiment, config: BatchConfig, repeat: int, phase: PhaseHook)
     over = _over_budget(tr, tr.device_memory, peak)
     if over:
         return dataclasses.replace(base, status="oom", reason=over)
-    # seeded per configuration, so a replayed trial is repeatable whatever ran before it
-    rng = random.Random(hash((exp.search.seed, config.batch_size, config.num_devices,
-                              config.micro_batch_size)))  # fmt: skip
-    step_s = config.batch_size / row["samples_per_s"]
+    step_s = config.batch_size / row["samples_per_s"] * _drift(exp, config, repeat)
+    rng = _step_noise_rng(exp.search.seed, config, repeat)
     steps = [step_s * max(0.05, 1 + tr.noise * rng.gauss(0, 1)) for _ in range(tr.measure_steps)]
     result = _with_step_times(base, config, steps)
     return dataclasses.replace(result, status="ok", compute_time_ms=result.step_time_ms_median)
+
+
+def _step_noise_rng(seed: int, config: BatchConfig, repeat: int) -> random.Random:
+    """The step noise of one replayed trial: seeded per configuration and repeat, so a
+    replayed trial is repeatable whatever ran before it, and a repeat draws afresh. A first
+    measurement keeps the seed it always had (tests and benchmarks pin its step times)."""
+    sizes = (seed, config.batch_size, config.num_devices, config.micro_batch_size)
+    return random.Random(hash((*sizes, repeat) if repeat else sizes))
+
+
+def _drift(exp: Experiment, config: BatchConfig, repeat: int) -> float:
+    """The one factor every step of a replayed trial is multiplied by (``trial.drift``), as
+    a real machine drifts between trials. From an rng of its own, seeded by text (stable
+    across processes, unlike hash() of text), so drift 0 leaves the step noise's draws as
+    they were."""
+    if not exp.trial.drift:
+        return 1.0
+    rng = random.Random(
+        f"drift/{exp.search.seed}/{config.batch_size}/{config.num_devices}/"
+        f"{config.micro_batch_size}/{config.activation_checkpointing}/{repeat}"
+    )
+    return max(0.05, 1 + exp.trial.drift * rng.gauss(0, 1))
 
 
 # ---------------------------------------------------------------------------

@@ -310,6 +310,34 @@ def test_replay_noise_is_seeded_and_relative(tmp_path):
     assert 0.015 < spread < 0.05
 
 
+def test_a_first_replayed_measurement_keeps_its_step_times_and_a_repeat_draws_afresh(tmp_path):
+    exp = replay(tmp_path, noise=0.03)
+    first = run_trial(exp, BatchConfig(16, 1, 4))
+    # the step times every replayed search and benchmark has had (seed, B, n, m)
+    assert first.step_times_ms == (161.29450109398007, 157.28852962389809, 168.32307224479223)
+    again = run_trial(exp, BatchConfig(16, 1, 4), repeat=1)
+    assert again.step_times_ms == (160.3773008390896, 155.26853142722842, 160.9819302624009)
+    assert run_trial(exp, BatchConfig(16, 1, 4), repeat=1).step_times_ms == again.step_times_ms
+
+
+def test_replay_drift_moves_a_whole_trial_by_one_factor(tmp_path):
+    noisy = run_trial(replay(tmp_path, noise=0.03), BatchConfig(16, 1, 4))
+    drifted = run_trial(replay(tmp_path, noise=0.03, drift=0.035), BatchConfig(16, 1, 4))
+    # the same step noise (drift has its own rng), every step times one factor
+    pairs = zip(drifted.step_times_ms, noisy.step_times_ms, strict=True)
+    assert {round(d / n, 12) for d, n in pairs} == {0.996317775297}
+    assert drifted.samples_per_s == pytest.approx(noisy.samples_per_s / 0.996317775297)
+
+
+def test_replay_drift_spreads_trial_medians_by_about_its_value(tmp_path):
+    exp = replay(tmp_path, drift=0.035)  # no step noise: each median is one drawn factor
+    medians = [run_trial(exp, BatchConfig(16, 1, 4), repeat=k).step_time_ms_median
+               for k in range(400)]  # fmt: skip
+    spread = statistics.stdev(medians) / statistics.mean(medians)
+    assert round(spread, 6) == 0.033924
+    assert round(statistics.mean(medians), 3) == 160.068  # about the table's 160 ms
+
+
 def test_replay_honours_the_memory_budget(tmp_path):
     exp = replay(tmp_path, device_memory="1MB")
     assert run_trial(exp, BatchConfig(16, 1, 8)).status == "oom"
