@@ -22,6 +22,7 @@ padding), so it is also the mean over the samples and gradient accumulation is e
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
@@ -59,10 +60,17 @@ _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_star
 
 
 def build_hf_model(
-    model_type: str, options: dict[str, Any], *, seed: int, activation_checkpointing: bool
+    model_type: str,
+    options: dict[str, Any],
+    *,
+    seed: int,
+    activation_checkpointing: bool,
+    meta: bool = False,
 ) -> ModelSpec:
     """The transformers model ``hf:<model_type>`` with random weights, its synthetic
-    batch and loss (ModelError for an unknown type, task or option)."""
+    batch and loss (ModelError for an unknown type, task or option). With ``meta``, the
+    model is built on torch's meta device: every check, its shapes, no memory and no
+    weights (a 7B model in milliseconds), for the driver to check an experiment."""
     name = f"hf:{model_type}"
     own, config_options = split_hf_options(options)
     transformers = _import_transformers(name)
@@ -77,7 +85,8 @@ def build_hf_model(
     torch.manual_seed(seed)
     auto_class = getattr(transformers, HF_TASKS[task])
     try:
-        module = auto_class.from_config(config)  # fp32: the trial decides the precision
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            module = auto_class.from_config(config)  # fp32: the trial decides the precision
     except Exception as exc:  # e.g. a hidden size the heads do not divide
         raise ModelError(
             f"model: transformers cannot build {name} for {task} from these options "

@@ -12,11 +12,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from mbtune import hf  # noqa: E402
 from mbtune.cli import main  # noqa: E402
 from mbtune.config import load_experiment, parse_experiment  # noqa: E402
 from mbtune.errors import MbtuneError  # noqa: E402
+from mbtune.hf import build_hf_model  # noqa: E402
 from mbtune.lattice import BatchConfig  # noqa: E402
-from mbtune.models import ModelError, build_model  # noqa: E402
+from mbtune.models import ModelError, build_model, check_model  # noqa: E402
 from mbtune.trial import accumulate_gradients, run_trial, split_batch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,6 +309,30 @@ def test_an_unknown_model_type_exits_2_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mbtune: error: model.name: transformers ") and "hf:gpt2" in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+LLAMA_7B = dict(
+    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, vocab_size=32000,
+)  # fmt: skip
+
+
+def test_checking_an_experiment_builds_its_hf_model_on_the_meta_device(monkeypatch):
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(build_hf_model(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(hf, "build_hf_model", build)
+    check_model(parse_experiment(experiment({"name": "hf:llama", **LLAMA_7B})).model)
+    module = built[0].module  # 27 GB of fp32 weights if it were real
+    assert type(module).__name__ == "LlamaForCausalLM" and module.config.num_hidden_layers == 32
+    assert {p.device.type for p in module.parameters()} == {"meta"}
+    assert sum(p.numel() for p in module.parameters()) > 6.7e9
+    # what the config cannot tell, the meta build still does: heads that do not divide
+    with pytest.raises(ModelError, match=r"^model: transformers cannot build hf:gpt2 for "):
+        check_model(parse_experiment(experiment({"name": "hf:gpt2", "n_embd": 30})).model)
 
 
 def test_the_example_experiment_builds(monkeypatch):

@@ -10,14 +10,18 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mbtune import models
 from mbtune.batch import num_samples
+from mbtune.config import parse_experiment
 from mbtune.models import (
     BUILTIN_MODELS,
     MODEL_OPTIONS,
     ModelError,
     ModelSpec,
     batch_mixing_reason,
+    build_from_config,
     build_model,
+    check_model,
     slice_batch,
 )
 from mbtune.trial import accumulate_gradients, split_batch
@@ -460,6 +464,64 @@ def test_bad_builtin_name_or_option(name, options, match):
 
 def test_dropout_accepts_an_int_zero():
     assert build_model("gpt", {"dropout": 0}).module.blocks[0].attn.dropout == 0.0
+
+
+def parsed_model(model: dict):
+    """The model of an experiment parsed as the command line parses it."""
+    return parse_experiment({"name": "m", "model": model, "train_input": {"batch_size": 8}}).model
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("gpt", {"n_layer": 1, "dropout": 0}), ("mlp", {}), ("cnn_bn", {})]
+)
+def test_an_experiments_model_is_built_as_given_without_checking_its_options_again(
+    monkeypatch, name, options
+):
+    expected = build_model(name, options, seed=2, activation_checkpointing=name == "gpt")
+    model = parsed_model({"name": name, **options})
+
+    def checked_twice(*args):
+        raise AssertionError("the config checked these options already")
+
+    monkeypatch.setattr(models, "check_options", checked_twice)
+    spec = build_from_config(model, seed=2, activation_checkpointing=name == "gpt")
+    assert type(spec.module) is type(expected.module)
+    assert spec.module.state_dict().keys() == expected.module.state_dict().keys()
+    for key, value in expected.module.state_dict().items():
+        assert torch.equal(spec.module.state_dict()[key], value), key
+    assert spec.tokens_per_sample == expected.tokens_per_sample
+    assert spec.mixes_batch == expected.mixes_batch
+    if name == "gpt":  # YAML's int 0 reaches the model as the float check_options gives
+        assert spec.module.blocks[0].attn.dropout == 0.0
+        assert isinstance(spec.module.blocks[0].attn.dropout, float)
+        assert [b.forward.__func__.__name__ for b in spec.module.blocks] == [
+            "_checkpointed_forward"
+        ]
+    with pytest.raises(AssertionError, match="checked these options already"):
+        build_model(name, options)  # a direct caller's options are still checked
+
+
+def test_checking_a_builtin_builds_nothing(monkeypatch):
+    def build_gpt(**options):
+        raise AssertionError("the config checked a built-in's options; nothing to build")
+
+    monkeypatch.setitem(models.BUILTIN_MODELS, "gpt", (build_gpt, MODEL_OPTIONS["gpt"]))
+    with pytest.raises(AssertionError, match="nothing to build"):
+        build_model("gpt", {})
+    check_model(parsed_model({"name": "gpt", "n_layer": 1}))
+
+
+def test_checking_a_user_model_runs_it_and_its_contract(user_module):
+    name = user_module("""
+        import torch
+        calls = []
+        def build(width=3):
+            calls.append(width)
+            return torch.nn.Linear(width, 1), lambda n, device: torch.zeros(n + 1, width), None
+    """)
+    with pytest.raises(ModelError, match=r"^model\.name: '.*:build' returned a NoneType as loss"):
+        check_model(parsed_model({"name": f"{name}:build", "width": 5}))
+    assert sys.modules[name].calls == [5]
 
 
 def test_model_error_is_a_value_error():
