@@ -210,7 +210,8 @@ def _synthetic_shapes(
     token ids a training batch needs that a default config may lack)."""
     if task == "image-classification":
         side = getattr(config, "image_size", None) or image_size
-        return {"channels": config.num_channels, "side": side, "num_labels": config.num_labels}
+        channels = _needed(config, "num_channels", task)
+        return {"channels": channels, "side": side, "num_labels": config.num_labels}
     positions = getattr(config, "max_position_embeddings", None)
     if seq_len is None:
         seq_len = min(_SEQ_LEN, positions or _SEQ_LEN)
@@ -219,21 +220,35 @@ def _synthetic_shapes(
             f"model.seq_len: {seq_len} is more than the model's {positions} positions; use "
             f"seq_len <= {positions}, or set model.max_position_embeddings"
         )
-    pad = config.pad_token_id
+    vocab_size = _needed(config, "vocab_size", task)
+    pad = getattr(config, "pad_token_id", None)  # transformers 5: only configs that have one
     if task == "seq-classification" and pad is None:
         # transformers finds each sample's last token by its padding; a decoder has none
-        pad = config.pad_token_id = config.vocab_size - 1
+        pad = config.pad_token_id = vocab_size - 1
     if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
         # the decoder's input is shifted right and starts with it (t5's hub configs: pad)
         config.decoder_start_token_id = pad if pad is not None else 0
-    eos = config.eos_token_id if task == "seq-classification" else None
+    eos = getattr(config, "eos_token_id", None) if task == "seq-classification" else None
     return {
         "seq_len": seq_len,
-        "vocab_size": config.vocab_size,
+        "vocab_size": vocab_size,
         "pad": pad,
         "eos": eos if isinstance(eos, int) and eos != pad else None,
         "num_labels": config.num_labels,
     }
+
+
+def _needed(config: Any, key: str, task: str) -> Any:
+    """The config's ``key``, which the synthetic batch of ``task`` is made from."""
+    value = getattr(config, key, None)
+    if value is None:
+        raise ModelError(
+            f"model.name: hf:{config.model_type} has no {key} in its {type(config).__name__}, "
+            f"which mbtune makes its {task} batch from (a composite model, e.g. vision-language "
+            "or speech, takes inputs mbtune does not make); measure it as your own "
+            "package.module:function, whose make_batch gives its inputs"
+        )
+    return value
 
 
 def _checkpoint_layers(module: nn.Module) -> None:

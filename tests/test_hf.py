@@ -123,6 +123,14 @@ def test_synthetic_tokens_never_use_the_padding_id():
     assert int(bert.make_batch(200, CPU)["input_ids"].min()) > 0
 
 
+def test_a_config_without_padding_or_end_tokens_builds():
+    # transformers 5's RwkvConfig has no pad_token_id or eos_token_id attribute at all
+    options = dict(num_hidden_layers=2, hidden_size=32, attention_hidden_size=32,
+                   intermediate_size=64, vocab_size=64, seq_len=8)  # fmt: skip
+    spec = build_model("hf:rwkv", options)
+    assert torch.isfinite(spec.loss_fn(spec.module, spec.make_batch(2, CPU)))
+
+
 def test_the_same_seed_gives_the_same_weights():
     a = build_model("hf:llama", tiny("llama"), seed=3).module.state_dict()
     b = build_model("hf:llama", tiny("llama"), seed=3).module.state_dict()
@@ -214,6 +222,8 @@ def test_checkpointing_a_model_transformers_cannot_checkpoint():
          r"causal-lm from these options \(ValueError: "),
         ("hf:gpt2", {"checkpoint_blocks": "GPT2Block"}, r"^model\.checkpoint_blocks: only for "
          r"user models; an hf: model checkpoints its own layers"),
+        ("hf:siglip", {}, r"^model\.name: hf:siglip has no num_channels in its SiglipConfig, "
+         r"which mbtune makes its image-classification batch from \(a composite model"),
         ("hf:gpt2", {"pretrained": "/no/such/dir"}, r"^model\.pretrained: cannot read "
          r"'/no/such/dir/config\.json' \(FileNotFoundError: .*\); expected a local model "
          r"directory holding its config\.json$"),
