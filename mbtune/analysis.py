@@ -31,7 +31,7 @@ import yaml
 from mbtune import record
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
-from mbtune.report import step_suffix
+from mbtune.report import recommended_line, sizes
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -421,9 +421,7 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
     best = top.iloc[0]
     precision = best.get("precision")
     return Recommendation(
-        config=BatchConfig(
-            *(int(best[s]) for s in SIZES), bool(best.get("activation_checkpointing", False))
-        ),
+        config=BatchConfig.from_mapping(best),
         samples_per_s=float(best["samples_per_s"]),
         pipeline_stages=int(best["pipeline_stages"]),
         source="best ok trial",
@@ -497,7 +495,7 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
             "driver died while writing)"
         )
     if has_ok_trial(trials) or (info.summary or {}).get("recommended"):
-        lines.append(_recommendation_line(recommendation(trials, info)))
+        lines.append(recommended_line(recommendation(trials, info)))
     sections = []
     ok = table[table["rank"].notna()]
     if len(ok):
@@ -537,23 +535,6 @@ def _ranked_view(ok: pd.DataFrame, info: RunInfo) -> pd.DataFrame:
     return view
 
 
-def _recommendation_line(rec: Recommendation) -> str:
-    c = rec.config
-    speed = f": {rec.samples_per_s:,.1f} samples/s" if rec.samples_per_s is not None else ""
-    source = rec.source + (f", confidence {rec.confidence}" if rec.confidence is not None else "")
-    batch = (
-        f"; recommended global batch {rec.recommended_batch_size}"
-        if rec.recommended_batch_size
-        else ""
-    )
-    step = step_suffix(rec.precision, c.activation_checkpointing)
-    return (
-        f"recommended ({source}): num_devices {c.num_devices}, batch_size {c.batch_size}, "
-        f"micro_batch_size {c.micro_batch_size} ({c.grad_accum_steps} micro-batch"
-        f"{'es' * (c.grad_accum_steps > 1)} per device{step}){speed}{batch}"
-    )
-
-
 def compare_report(
     a: pd.DataFrame, b: pd.DataFrame, info_a: RunInfo, info_b: RunInfo, fmt: str = "table"
 ) -> str:
@@ -569,10 +550,8 @@ def compare_report(
         if len(top) and pd.notna(top["rank"].iloc[0]):
             r = top.iloc[0]
             bests.append(float(r["samples_per_s"]))
-            best = (
-                f"best: num_devices {r['num_devices']}, batch_size {r['batch_size']}, "
-                f"micro_batch_size {r['micro_batch_size']}: {r['samples_per_s']:,.1f} samples/s"
-            )
+            speed = r["samples_per_s"]
+            best = f"best: {sizes(BatchConfig.from_mapping(r))}: {speed:,.1f} samples/s"
         else:
             best = "no trial ran ok"
         lines.append(

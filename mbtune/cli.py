@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from mbtune.config import Experiment, load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.report import experiment_lines, export_header, micro_batches, result_lines
 from mbtune.starter import DEVICES, MODES, write_starter
 
 __all__ = ["main", "space_rows"]
@@ -244,7 +245,7 @@ def _validate(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment, args.overrides)
     check_user_model(exp)
     print(f"{args.experiment}: valid")
-    for label, text in summary_lines(exp):
+    for label, text in experiment_lines(exp):
         print(f"  {label:<12} {text}")
     return 0
 
@@ -255,76 +256,6 @@ def check_user_model(exp: Experiment) -> None:
         from mbtune.models import build_model
 
         build_model(exp.model.name, exp.model.options)
-
-
-def summary_lines(exp: Experiment) -> list[tuple[str, str]]:
-    """What an experiment will do, in a few labelled lines."""
-    t, s, tr = exp.train_input, exp.search, exp.trial
-    configs = exp.configs()
-    distinct = len({c.canonical() for c in configs})
-    options = ", ".join(f"{k}={v}" for k, v in exp.model.options.items())
-    mode = {
-        "int": f"micro_batch_size {t.micro_batch_size} (explicit)",
-        "none": "micro_batch_size none (no accumulation: m = per-device batch)",
-        "auto": "micro_batch_size auto (the fastest divisor of the per-device batch that fits)",
-        "explore": "micro_batch_size explore (every size in the space, divisible or not)",
-    }[t.mode]
-    user = exp.user_config
-    yours = f"; yours runs {_split(user)}" if user is not None and user in set(configs) else ""
-    memory = f"{tr.device_memory / 2**30:.2f} GiB" if tr.device_memory else "no budget"
-    measure = (
-        f"replay of {tr.table}" + (f" with {tr.noise:.0%} noise" if tr.noise else "")
-        if tr.backend == "replay"
-        else f"torch on {tr.device}, compile {'on' if tr.compile else 'off'}, "
-        f"parallel {tr.parallel}"
-    )
-    budget = f"up to {s.num_samples} trials" + (
-        f" or {s.time_budget_s:g} s" if s.time_budget_s else ""
-    )
-    return [
-        ("name", exp.name),
-        ("model", exp.model.name + (f" ({options})" if options else "")),
-        (
-            "train_input",
-            f"batch_size {t.batch_size}, num_devices {t.num_devices}"
-            + (f", pipeline_stages {t.pipeline_stages}" if t.pipeline_stages > 1 else "")
-            + (", allow_uneven" if t.allow_uneven else ""),
-        ),
-        ("mode", mode + yours),
-        (
-            "space",
-            f"{len(configs)} configurations ({distinct} distinct measurements) from "
-            f"'{s.space.source}'",
-        ),
-        (
-            "search",
-            f"sampler {s.sampler}, objective {s.objective}, {budget}, "
-            + (
-                f"stop at confidence {s.confidence_target}"
-                if s.confidence_target < 100  # the score is 0..99: 100 is never reached
-                else "never stops on confidence (runs to num_samples or the time budget)"
-            )
-            + f", seed {s.seed}",
-        ),
-        (
-            "trial",
-            f"{measure}; {tr.warmup_steps} warm-up + {tr.measure_steps} timed steps, "
-            f"{exp.cpu_threads} CPU thread(s), memory "
-            f"{memory}, timeout {tr.timeout_s:g} s",
-        ),
-        ("ray", exp.ray.address or "embedded local Ray"),
-        ("output_dir", str(exp.output_dir)),
-    ]
-
-
-def _split(c: BatchConfig) -> str:
-    """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8'."""
-    q, r = divmod(c.per_device_batch, c.grad_accum_steps)
-    sizes = f"of {q}" if r == 0 else f"of {_micro_batches(c)}"
-    return (
-        f"{c.num_devices} device{'s' if c.num_devices > 1 else ''} x "
-        f"{c.grad_accum_steps} micro-batch{'es' if c.grad_accum_steps > 1 else ''} {sizes}"
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -340,7 +271,7 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
     for c in configs:
         row = {
             **c.as_dict(),
-            "micro_batches": _micro_batches(c),
+            "micro_batches": micro_batches(c),
             "strict": c.is_strict,
             "runs_as": c.canonical_micro_batch_size,
         }
@@ -348,21 +279,6 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
             del row["activation_checkpointing"]
         rows.append(row)
     return rows
-
-
-def _micro_batches(c: BatchConfig) -> str:
-    """The micro-batches one device runs: '4x8', '3+2+2', or '1000x3+24x2' for many.
-
-    Computed from (P, g) rather than from the list of sizes, which a configuration such as
-    batch_size 2**31 at micro_batch_size 1 would make billions of items long.
-    """
-    g = c.grad_accum_steps
-    q, r = divmod(c.per_device_batch, g)
-    if r == 0:
-        return f"{g}x{q}"
-    if g <= 8:
-        return "+".join(map(str, [q + 1] * r + [q] * (g - r)))
-    return f"{r}x{q + 1}+{g - r}x{q}"
 
 
 def _space(args: argparse.Namespace) -> int:
@@ -473,10 +389,8 @@ def _export(trials: Any, info: Any, framework: str) -> int:
 
     rec = recommendation(trials, info)
     c = rec.config
-    speed = f"{rec.samples_per_s:,.1f} samples/s " if rec.samples_per_s is not None else ""
-    header = (
-        f"mbtune: num_devices {c.num_devices}, batch_size {c.batch_size}, micro_batch_size "
-        f"{c.micro_batch_size}: {speed}in {info.path} ({rec.source})"
+    header = export_header(
+        c, samples_per_s=rec.samples_per_s, run_path=info.path, source=rec.source
     )
     snippet = export_config(
         framework,
@@ -551,74 +465,6 @@ def trial_config(
         except MbtuneError as e:
             raise MbtuneError(f"{e} (or set train_input.allow_uneven: true)") from None
     return config
-
-
-def result_lines(r: Any, *, threads: int | None = None) -> list[str]:
-    """A trial result, for a person; ``threads``: the CPU threads it computed with."""
-    split = (
-        "+".join(map(str, r.micro_batches))
-        if len(set(r.micro_batches)) > 1
-        else (f"{len(r.micro_batches)} x {r.micro_batches[0]}" if r.micro_batches else "?")
-    )
-    lines = [
-        f"batch_size {r.batch_size}, num_devices {r.num_devices}, micro_batch_size "
-        f"{r.micro_batch_size}: per device {r.per_device_batch} samples as {split} "
-        f"({r.grad_accum_steps} micro-batch{'es' if r.grad_accum_steps > 1 else ''}) on "
-        f"{r.device}" + (f" ({threads} CPU thread{'s' if threads > 1 else ''})" if threads else ""),
-        f"  status       {r.status}" + (f" ({r.reason})" if r.reason else ""),
-    ]
-    step = [r.precision] if r.precision else []
-    if r.activation_checkpointing:
-        step.append("activation checkpointing")
-    if step:
-        lines.append(f"  step         {', '.join(step)}")
-    if r.note:
-        lines.append(f"  note         {r.note}")
-    if len(r.micro_batch_sizes_tried) > 1:
-        tried = ", ".join(map(str, r.micro_batch_sizes_tried))
-        lines.append(f"  tried        micro_batch_size {tried} (halved on out of memory)")
-    if r.samples_per_s is not None:
-        ddp = r.parallel == "ddp"
-        tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""
-        lines += [
-            f"  throughput   {r.samples_per_s:,.1f} samples/s "
-            f"({r.samples_per_s_per_device:,.1f} per device){tokens}",
-            f"  step time    {r.step_time_ms_median:.2f} ms median, IQR "
-            f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps"
-            + (f" of {r.num_devices} DDP workers (the slowest each step)" if ddp else ""),
-        ]
-        if ddp:  # three measurements: they need not add up (DDP overlaps, and adds its own)
-            compute = f"{r.compute_time_ms:.2f} ms" if r.compute_time_ms is not None else "-"
-            lines.append(
-                f"    apart      compute {compute} (the same steps without the all-reduce), "
-                f"all-reduce {r.comm_time_ms:.2f} ms (of the gradient's bytes, alone)"
-            )
-        else:
-            lines.append(
-                f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
-                f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"
-            )
-    if r.tflops_per_s is not None:
-        mfu = f", MFU {r.mfu:.1%}" if r.mfu is not None else ", MFU unknown (no peak known)"
-        lines.append(
-            f"  flops        {r.flops_per_sample / 1e9:,.3g} GFLOP per sample, "
-            f"{r.tflops_per_s:,.3g} TFLOP/s per device{mfu}"
-        )
-    if r.eval_samples_per_s is not None:
-        lines.append(f"  eval         {r.eval_samples_per_s:,.1f} samples/s forward-only")
-    if r.compile_s is not None:
-        lines.append(f"  compile      {r.compile_s:.1f} s (not counted in throughput)")
-    if r.compile_fallback:
-        lines.append(f"  warning      {r.compile_fallback}")
-    if r.peak_memory_bytes is not None:
-        reserved = (
-            f" ({r.peak_reserved_bytes / 2**20:,.0f} MiB reserved)"
-            if r.peak_reserved_bytes is not None
-            else ""
-        )
-        lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB{reserved}")
-    lines.append(f"  wall time    {r.wall_s:.1f} s")
-    return lines
 
 
 if __name__ == "__main__":

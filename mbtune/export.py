@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from mbtune.config import PRECISIONS as _TRIAL_PRECISIONS
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
+from mbtune.report import micro_batches, per_device_split
 
 __all__ = ["FRAMEWORKS", "PRECISIONS", "RULES", "Export", "expressible", "export_config"]
 
@@ -208,20 +209,20 @@ def expressible(
         notes.append(
             f"{framework} needs {RULES[framework]}, but batch_size {b} on {n} device"
             f"{'s' if n > 1 else ''} with micro_batch_size {m} splits unevenly "
-            f"({_split(b, n, m)}): exported the nearest batch_size it can express, {nearest} "
-            f"({_split(nearest, n, m)}), which was not measured as such"
+            f"({per_device_split(BatchConfig(b, n, m))}): exported the nearest batch_size it "
+            f"can express, {nearest} ({per_device_split(BatchConfig(nearest, n, m))}), which "
+            "was not measured as such"
         )
         b = nearest
     exported = BatchConfig(b, n, m)
-    if framework == "composer" and (b // n) % m:
-        chunks = [m] * ((b // n) // m) + [(b // n) % m]  # composer cuts micro-batches of m
-        if chunks != exported.micro_batch_sizes:
-            notes.append(
-                f"composer splits the per-device batch {b // n} as "
-                f"{'+'.join(map(str, chunks))} where mbtune measured "
-                f"{'+'.join(map(str, exported.micro_batch_sizes))} (as many micro-batches, "
-                "the same largest one)"
-            )
+    whole, rest = divmod(b // n, m)  # composer cuts micro-batches of m and a shorter last one
+    # the same micro-batches as mbtune's even split exactly where the last is one short
+    if framework == "composer" and rest and rest != m - 1:
+        chunks = "+".join([str(m)] * whole + [str(rest)]) if whole < 8 else f"{whole}x{m}+{rest}"
+        notes.append(
+            f"composer splits the per-device batch {b // n} as {chunks} where mbtune measured "
+            f"{micro_batches(exported)} (as many micro-batches, the same largest one)"
+        )
     return exported, notes
 
 
@@ -241,17 +242,6 @@ def _nearest(framework: str, batch_size: int, num_devices: int, micro_batch_size
     below, above = nearest_valid_batch_sizes(batch_size, num_devices, step)
     fits = [c for c in (above, below) if c and _fits(framework, c, num_devices, micro_batch_size)]
     return min(fits, key=lambda c: abs(c - batch_size))
-
-
-def _split(batch_size: int, num_devices: int, micro_batch_size: int) -> str:
-    """How a configuration runs, e.g. 'per device 15 as 4+4+4+3'."""
-    config = BatchConfig(batch_size, num_devices, micro_batch_size)
-    devices = sorted(set(config.device_batch_sizes), reverse=True)
-    micro = config.micro_batch_sizes
-    runs = f"{len(micro)} x {micro[0]}" if len(set(micro)) == 1 else "+".join(map(str, micro))
-    if len(devices) > 1:
-        return f"per device {devices[0]} or {devices[1]}, the busiest as {runs}"
-    return f"per device {devices[0]} as {runs}"
 
 
 def _json(**values: object) -> str:

@@ -1,12 +1,17 @@
 """Every sentence mbtune shows a person about a configuration and a recommendation.
 
 Pure text: neither torch nor ray nor pandas. The search's stream (a trial line, the
-recommendation line, the end-of-run summary), ``mbtune validate``'s split of your
-configuration, ``mbtune space``'s micro-batches column, ``mbtune trial``'s result, the
-exports' headers and ``mbtune analyze``'s recommendation all say it here, one way each.
+recommendation line, the end-of-run summary), ``mbtune validate``'s summary,
+``mbtune space``'s micro-batches column, ``mbtune trial``'s result, the export's header
+and ``mbtune analyze``'s recommendation are all said here, each piece one way:
 
-    mbtune 19:41:11  trial   3  num_devices 2, batch_size 64, micro_batch_size 8, bf16:
-    1,234.5 samples/s, MFU 41%  ok
+- a configuration's sizes: :func:`sizes` ('num_devices 2, batch_size 64, micro_batch_size 8');
+- how it computes: :func:`step_suffix` (', bf16, with activation checkpointing');
+- how it splits into micro-batches: :func:`micro_batches` ('4x8', '3+2+2') and the
+  sentences built on it, :func:`devices_split` and :func:`per_device_split`.
+
+The stream's recommendation line keeps the Cerebras order (micro_batch_size first, then
+the rest in parentheses), which the end-of-run summary follows.
 """
 
 from __future__ import annotations
@@ -14,17 +19,86 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mbtune.lattice import as_flag
+from mbtune.lattice import BatchConfig, as_flag
+
+if TYPE_CHECKING:
+    from mbtune.config import Experiment
+    from mbtune.trial import TrialResult
 
 __all__ = [
+    "RunRecommendation",
+    "StreamRecommendation",
+    "devices_split",
+    "experiment_lines",
+    "export_header",
+    "micro_batches",
+    "per_device_split",
+    "recommended_line",
+    "result_lines",
+    "sizes",
     "step_suffix",
+    "stream_line",
     "summary_lines",
     "trial_line",
 ]
 
 Row = Mapping[str, Any]
+
+
+def sizes(config: BatchConfig) -> str:
+    """The three sizes that name a configuration, in the order of trials.csv's columns."""
+    return (
+        f"num_devices {config.num_devices}, batch_size {config.batch_size}, micro_batch_size "
+        f"{config.micro_batch_size}"
+    )
+
+
+def _plural(count: int, word: str, suffix: str = "s") -> str:
+    return f"{count} {word}{suffix if count != 1 else ''}"
+
+
+def micro_batches(config: BatchConfig) -> str:
+    """The micro-batches one device runs: '4x8', '3+2+2', or '1000x3+24x2' for many.
+
+    Computed from (P, g) rather than from the list of sizes, which a configuration such as
+    batch_size 2**31 at micro_batch_size 1 would make billions of items long.
+    """
+    g = config.grad_accum_steps
+    q, r = divmod(config.per_device_batch, g)
+    if r == 0:
+        return f"{g}x{q}"
+    if g <= 8:
+        return "+".join(map(str, [q + 1] * r + [q] * (g - r)))
+    return f"{r}x{q + 1}+{g - r}x{q}"
+
+
+def _even_or_listed(config: BatchConfig, even: str) -> str:
+    """``even`` (a phrase of g and the size q) where the micro-batches are all one size,
+    else :func:`micro_batches`."""
+    g = config.grad_accum_steps
+    q, r = divmod(config.per_device_batch, g)
+    return even.format(g=g, q=q) if r == 0 else micro_batches(config)
+
+
+def devices_split(config: BatchConfig) -> str:
+    """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8'."""
+    g = config.grad_accum_steps
+    return (
+        f"{_plural(config.num_devices, 'device')} x {_plural(g, 'micro-batch', 'es')} of "
+        + _even_or_listed(config, "{q}")
+    )
+
+
+def per_device_split(config: BatchConfig) -> str:
+    """What one device computes, e.g. 'per device 16 samples as 2 x 8', or where the
+    devices differ by a sample, 'per device 17 or 16 samples, the busiest as 5+4+4+4'."""
+    runs = _even_or_listed(config, "{g} x {q}")
+    b, n = config.batch_size, config.num_devices
+    if b % n:
+        return f"per device {b // n + 1} or {b // n} samples, the busiest as {runs}"
+    return f"per device {b // n} samples as {runs}"
 
 
 def step_suffix(precision: str | None, activation_checkpointing: bool) -> str:
@@ -113,3 +187,228 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{r['samples_per_s']:>10,.1f}  {compile_s:>9}"
         )
     return lines
+
+
+# ---------------------------------------------------------------------------
+# a recommendation
+
+
+class StreamRecommendation(Protocol):
+    """What the stream says of a recommendation (mbtune.reporter.Recommendation has it)."""
+
+    @property
+    def time(self) -> str:
+        """When it was made, ISO (its clock is shown)."""
+
+    @property
+    def config(self) -> BatchConfig: ...
+    @property
+    def estimated_performance(self) -> float: ...
+    @property
+    def confidence(self) -> int: ...
+    @property
+    def precision(self) -> str | None: ...
+    @property
+    def mfu(self) -> float | None: ...
+
+
+def stream_line(rec: StreamRecommendation) -> str:
+    """The stream's recommendation after a trial."""
+    c = rec.config
+    step = step_suffix(rec.precision, c.activation_checkpointing)
+    mfu = f", MFU {rec.mfu:.0%}" if rec.mfu is not None else ""
+    return (
+        f"mbtune {rec.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
+        f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}{step}), estimated "
+        f"performance: {rec.estimated_performance:.2f}x base{mfu}, confidence score: "
+        f"{rec.confidence} (out of 100)"
+    )
+
+
+class RunRecommendation(Protocol):
+    """What ``mbtune analyze`` says of a run's recommendation (mbtune.analysis.Recommendation
+    has it)."""
+
+    @property
+    def config(self) -> BatchConfig: ...
+    @property
+    def source(self) -> str:
+        """Where it came from: summary.json, or the best ok trial."""
+
+    @property
+    def samples_per_s(self) -> float | None: ...
+    @property
+    def confidence(self) -> int | None: ...
+    @property
+    def recommended_batch_size(self) -> int | None: ...
+    @property
+    def precision(self) -> str | None: ...
+
+
+def recommended_line(rec: RunRecommendation) -> str:
+    """``mbtune analyze``'s recommendation of a run."""
+    c, g = rec.config, rec.config.grad_accum_steps
+    speed = f": {rec.samples_per_s:,.1f} samples/s" if rec.samples_per_s is not None else ""
+    source = rec.source + (f", confidence {rec.confidence}" if rec.confidence is not None else "")
+    batch = (
+        f"; recommended global batch {rec.recommended_batch_size}"
+        if rec.recommended_batch_size
+        else ""
+    )
+    step = step_suffix(rec.precision, c.activation_checkpointing)
+    return (
+        f"recommended ({source}): {sizes(c)} ({_plural(g, 'micro-batch', 'es')} per "
+        f"device{step}){speed}{batch}"
+    )
+
+
+def export_header(
+    config: BatchConfig, *, samples_per_s: float | None, run_path: Path, source: str
+) -> str:
+    """The first comment of an exported snippet: what was measured, where."""
+    speed = f"{samples_per_s:,.1f} samples/s " if samples_per_s is not None else ""
+    return f"mbtune: {sizes(config)}: {speed}in {run_path} ({source})"
+
+
+# ---------------------------------------------------------------------------
+# mbtune trial and mbtune validate
+
+
+def result_lines(r: TrialResult, *, threads: int | None = None) -> list[str]:
+    """A trial result, for a person; ``threads``: the CPU threads it computed with."""
+    config = BatchConfig(r.batch_size, r.num_devices, r.micro_batch_size)
+    cpu = f" ({_plural(threads, 'CPU thread')})" if threads else ""
+    lines = [
+        # the order of the command's flags (--batch-size, --num-devices, --micro-batch-size)
+        f"batch_size {r.batch_size}, num_devices {r.num_devices}, micro_batch_size "
+        f"{r.micro_batch_size}: {per_device_split(config)} "
+        f"({_plural(r.grad_accum_steps, 'micro-batch', 'es')}) on {r.device}{cpu}",
+        f"  status       {r.status}" + (f" ({r.reason})" if r.reason else ""),
+    ]
+    step = [r.precision] if r.precision else []
+    if r.activation_checkpointing:
+        step.append("activation checkpointing")
+    if step:
+        lines.append(f"  step         {', '.join(step)}")
+    if r.note:
+        lines.append(f"  note         {r.note}")
+    if len(r.micro_batch_sizes_tried) > 1:
+        tried = ", ".join(map(str, r.micro_batch_sizes_tried))
+        lines.append(f"  tried        micro_batch_size {tried} (halved on out of memory)")
+    if r.samples_per_s is not None:
+        lines += _speed_lines(r)
+    if r.tflops_per_s is not None:
+        mfu = f", MFU {r.mfu:.1%}" if r.mfu is not None else ", MFU unknown (no peak known)"
+        lines.append(
+            f"  flops        {r.flops_per_sample / 1e9:,.3g} GFLOP per sample, "
+            f"{r.tflops_per_s:,.3g} TFLOP/s per device{mfu}"
+        )
+    if r.eval_samples_per_s is not None:
+        lines.append(f"  eval         {r.eval_samples_per_s:,.1f} samples/s forward-only")
+    if r.compile_s is not None:
+        lines.append(f"  compile      {r.compile_s:.1f} s (not counted in throughput)")
+    if r.compile_fallback:
+        lines.append(f"  warning      {r.compile_fallback}")
+    if r.peak_memory_bytes is not None:
+        reserved = (
+            f" ({r.peak_reserved_bytes / 2**20:,.0f} MiB reserved)"
+            if r.peak_reserved_bytes is not None
+            else ""
+        )
+        lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB{reserved}")
+    lines.append(f"  wall time    {r.wall_s:.1f} s")
+    return lines
+
+
+def _speed_lines(r: TrialResult) -> list[str]:
+    """Throughput and the step time, and what the step time is made of."""
+    ddp = r.parallel == "ddp"
+    tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""
+    lines = [
+        f"  throughput   {r.samples_per_s:,.1f} samples/s "
+        f"({r.samples_per_s_per_device:,.1f} per device){tokens}",
+        f"  step time    {r.step_time_ms_median:.2f} ms median, IQR "
+        f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps"
+        + (f" of {r.num_devices} DDP workers (the slowest each step)" if ddp else ""),
+    ]
+    if ddp:  # three measurements: they need not add up (DDP overlaps, and adds its own)
+        compute = f"{r.compute_time_ms:.2f} ms" if r.compute_time_ms is not None else "-"
+        lines.append(
+            f"    apart      compute {compute} (the same steps without the all-reduce), "
+            f"all-reduce {r.comm_time_ms:.2f} ms (of the gradient's bytes, alone)"
+        )
+    else:
+        lines.append(
+            f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
+            f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"
+        )
+    return lines
+
+
+_MODES = {
+    "none": "micro_batch_size none (no accumulation: m = per-device batch)",
+    "auto": "micro_batch_size auto (the fastest divisor of the per-device batch that fits)",
+    "explore": "micro_batch_size explore (every size in the space, divisible or not)",
+}
+
+
+def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
+    """What an experiment will do, in a few labelled lines (``mbtune validate``)."""
+    t, s, tr = exp.train_input, exp.search, exp.trial
+    configs = exp.configs()
+    distinct = len({c.canonical() for c in configs})
+    options = ", ".join(f"{k}={v}" for k, v in exp.model.options.items())
+    mode = _MODES.get(t.mode, f"micro_batch_size {t.micro_batch_size} (explicit)")
+    user = exp.user_config
+    yours = (
+        f"; yours runs {devices_split(user)}" if user is not None and user in set(configs) else ""
+    )
+    memory = f"{tr.device_memory / 2**30:.2f} GiB" if tr.device_memory else "no budget"
+    measure = (
+        f"replay of {tr.table}" + (f" with {tr.noise:.0%} noise" if tr.noise else "")
+        if tr.backend == "replay"
+        else f"torch on {tr.device}, compile {'on' if tr.compile else 'off'}, "
+        f"parallel {tr.parallel}"
+    )
+    budget = f"up to {s.num_samples} trials" + (
+        f" or {s.time_budget_s:g} s" if s.time_budget_s else ""
+    )
+    stop = (
+        f"stop at confidence {s.confidence_target}"
+        if s.confidence_target < 100  # the score is 0..99: 100 is never reached
+        else "never stops on confidence (runs to num_samples or the time budget)"
+    )
+    return [
+        ("name", exp.name),
+        ("model", exp.model.name + (f" ({options})" if options else "")),
+        (
+            "train_input",
+            f"batch_size {t.batch_size}, num_devices {t.num_devices}"
+            + (f", pipeline_stages {t.pipeline_stages}" if t.pipeline_stages > 1 else "")
+            + (", allow_uneven" if t.allow_uneven else ""),
+        ),
+        ("mode", mode + yours),
+        (
+            "space",
+            f"{len(configs)} configurations ({distinct} distinct measurements) from "
+            f"'{s.space.source}'",
+        ),
+        (
+            "search",
+            f"sampler {s.sampler}, objective {s.objective}, {budget}, {stop}, seed {s.seed}",
+        ),
+        (
+            "trial",
+            f"{measure}; {tr.warmup_steps} warm-up + {tr.measure_steps} timed steps, "
+            f"{_plural(exp.cpu_threads, 'CPU thread')}, memory {memory}, timeout "
+            f"{tr.timeout_s:g} s",
+        ),
+        ("ray", exp.ray.address or "embedded local Ray"),
+        ("output_dir", str(exp.output_dir)),
+    ]
+
+
+def another_look_line(why: str, config: BatchConfig, look: int) -> str:
+    """The stream's line when the search measures a configuration again."""
+    step = step_suffix(None, config.activation_checkpointing)
+    return f"mbtune: {why}: {sizes(config)}{step} (measurement {look})"

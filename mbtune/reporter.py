@@ -22,7 +22,7 @@ from typing import Any
 from mbtune import lattice
 from mbtune.confidence import Assessment, as_number, assess, observation
 from mbtune.lattice import BatchConfig
-from mbtune.report import step_suffix
+from mbtune.report import stream_line
 
 __all__ = ["Recommendation", "Reporter"]
 
@@ -72,15 +72,7 @@ class Recommendation:
         )
 
     def line(self) -> str:
-        c = self.config
-        step = step_suffix(self.precision, c.activation_checkpointing)
-        mfu = f", MFU {self.mfu:.0%}" if self.mfu is not None else ""
-        return (
-            f"mbtune {self.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
-            f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}{step}), estimated "
-            f"performance: {self.estimated_performance:.2f}x base{mfu}, confidence score: "
-            f"{self.confidence} (out of 100)"
-        )
+        return stream_line(self)
 
 
 class Reporter:

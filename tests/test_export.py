@@ -120,8 +120,8 @@ def test_an_uneven_micro_batch_split_becomes_the_nearest_expressible_batch(frame
     export = export_config(framework, config)
     assert READ_BACK[framework](export.text, 2) == {"batch_size": 32, "micro_batch_size": 4}
     assert any(
-        "batch_size 30 on 2 devices with micro_batch_size 4 splits unevenly (per device 15 as "
-        "4+4+4+3): exported the nearest batch_size it can express, 32" in note
+        "batch_size 30 on 2 devices with micro_batch_size 4 splits unevenly (per device 15 samples "
+        "as 4+4+4+3): exported the nearest batch_size it can express, 32" in note
         for note in export.notes
     )
 
@@ -216,7 +216,7 @@ def precision_setting(framework: str, text: str) -> object:
         (call,) = [c for c in ast.walk(ast.parse(text)) if isinstance(c, ast.Call)
                    and getattr(c.func, "id", None) == "Trainer"]  # fmt: skip
         precision = {k.arg: k.value.value for k in call.keywords}["precision"]
-        return precision, "set_float32_matmul_precision(\"high\")" in text
+        return precision, 'set_float32_matmul_precision("high")' in text
     return tuple(f for f in ("--bf16", "--fp16") if f in megatron_args(text))
 
 
@@ -286,7 +286,8 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
         ]
     if framework == "hf":
         assert "transformers 5 names gradient_checkpointing(_kwargs) activation_checkpointing" in (
-            " ".join(export.notes))
+            " ".join(export.notes)
+        )
     if framework in ("hf", "megatron"):
         assert notes == []
     assert not [n for n in plain.notes if n.startswith("activation checkpointing")]
@@ -295,8 +296,9 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
 @pytest.mark.parametrize("precision", ["auto", "float16", "BF16"])
 def test_an_unknown_or_unresolved_precision(precision):
     with pytest.raises(
-        MbtuneError, match=rf"^--export: unknown precision '{precision}'; valid: fp32, tf32, bf16, "
-        r"fp16$"
+        MbtuneError,
+        match=rf"^--export: unknown precision '{precision}'; valid: fp32, tf32, bf16, "
+        r"fp16$",
     ):
         export_config("hf", BatchConfig(8, 1, 2), precision=precision)
 
@@ -316,7 +318,9 @@ def test_hf_keys_build_training_arguments(tmp_path, precision, config):
     m, g = kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]
     assert m * g * 2 == export.config.batch_size
     if config.batch_size != export.config.batch_size:  # uneven: said plainly
-        said = "splits unevenly (per device 15 as 4+4+4+3): exported the nearest batch_size it can "
+        said = (
+            "splits unevenly (per device 15 samples as 4+4+4+3): exported the nearest batch_size "
+        )
         assert any(said in note for note in export.notes)
 
     cuda = torch.cuda.is_available()
@@ -362,6 +366,6 @@ def test_lightning_arguments_build_a_trainer(precision):
     trainer, loader = names["trainer"], names["train_loader"]
     m, g = loader.batch_size, trainer.accumulate_grad_batches
     assert trainer.num_devices == 2 and m * g * 2 == export.config.batch_size == 32
-    assert trainer.precision == {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}[
-        precision
-    ]
+    assert (
+        trainer.precision == {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}[precision]
+    )

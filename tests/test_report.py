@@ -1,0 +1,127 @@
+"""Tests for mbtune.report: each sentence about a configuration, one way, exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mbtune import analysis, report
+from mbtune.lattice import BatchConfig
+from mbtune.reporter import Recommendation
+
+
+@pytest.mark.parametrize(
+    ("config", "micro", "devices", "per_device"),
+    [
+        (BatchConfig(64, 2, 8), "4x8", "2 devices x 4 micro-batches of 8",
+         "per device 32 samples as 4 x 8"),
+        (BatchConfig(7, 1, 3), "3+2+2", "1 device x 3 micro-batches of 3+2+2",
+         "per device 7 samples as 3+2+2"),
+        (BatchConfig(30, 2, 4), "4+4+4+3", "2 devices x 4 micro-batches of 4+4+4+3",
+         "per device 15 samples as 4+4+4+3"),
+        (BatchConfig(33, 2, 4), "4+4+3+3+3", "2 devices x 5 micro-batches of 4+4+3+3+3",
+         "per device 17 or 16 samples, the busiest as 4+4+3+3+3"),
+        (BatchConfig(100, 1, 9), "4x9+8x8", "1 device x 12 micro-batches of 4x9+8x8",
+         "per device 100 samples as 4x9+8x8"),
+        (BatchConfig(2**31, 1, 1), f"{2**31}x1", f"1 device x {2**31} micro-batches of 1",
+         f"per device {2**31} samples as {2**31} x 1"),
+    ],
+)  # fmt: skip
+def test_a_configuration_splits_into_micro_batches_said_one_way(config, micro, devices, per_device):
+    assert report.micro_batches(config) == micro
+    assert report.devices_split(config) == devices
+    assert report.per_device_split(config) == per_device
+
+
+def test_sizes_name_a_configuration_in_the_order_of_the_columns():
+    assert report.sizes(BatchConfig(64, 2, 8)) == "num_devices 2, batch_size 64, micro_batch_size 8"
+    assert report.step_suffix("bf16", True) == ", bf16, with activation checkpointing"
+    assert report.step_suffix(None, False) == ""
+
+
+def test_the_stream_line_keeps_the_cerebras_order():
+    rec = Recommendation(
+        time="2026-01-01T19:41:11", trials=3, config=BatchConfig(64, 2, 4, True), objective=1.0,
+        samples_per_s=None, estimated_performance=1.234, confidence=90, precision="bf16",
+        mfu=0.412,
+    )  # fmt: skip
+    assert (
+        report.stream_line(rec)
+        == rec.line()
+        == (
+            "mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64, "
+            "bf16, with activation checkpointing), estimated performance: 1.23x base, MFU 41%, "
+            "confidence score: 90 (out of 100)"
+        )
+    )
+
+
+def test_analyze_and_export_say_the_recommendation():
+    config = BatchConfig(32, 2, 8)
+    rec = analysis.Recommendation(
+        config=config, samples_per_s=630.0, pipeline_stages=1, source="summary.json",
+        confidence=92, recommended_batch_size=34,
+    )  # fmt: skip
+    assert report.recommended_line(rec) == (
+        "recommended (summary.json, confidence 92): num_devices 2, batch_size 32, "
+        "micro_batch_size 8 (2 micro-batches per device, fp32): 630.0 samples/s; recommended "
+        "global batch 34"
+    )
+    rec = analysis.Recommendation(
+        config=BatchConfig(32, 2, 16), samples_per_s=None, pipeline_stages=1,
+        source="best ok trial", precision="",
+    )  # fmt: skip
+    assert report.recommended_line(rec) == (
+        "recommended (best ok trial): num_devices 2, batch_size 32, micro_batch_size 16 "
+        "(1 micro-batch per device)"
+    )
+    assert report.export_header(
+        config, samples_per_s=1234.5, run_path=Path("runs/x"), source="summary.json"
+    ) == (
+        "mbtune: num_devices 2, batch_size 32, micro_batch_size 8: 1,234.5 samples/s in runs/x "
+        "(summary.json)"
+    )
+
+
+def test_a_trial_line_reads_a_csv_row_as_well_as_a_result():
+    row = {"trial": 3, "batch_size": "64", "num_devices": "2", "micro_batch_size": "8",
+           "status": "oom", "reason": "over budget", "samples_per_s": "", "mfu": "",
+           "precision": "bf16", "activation_checkpointing": "true"}  # fmt: skip
+    line = report.trial_line(row)
+    assert line.endswith(
+        "  trial   3  num_devices 2, batch_size 64, micro_batch_size 8, bf16, with activation "
+        "checkpointing: -  oom (over budget)"
+    )
+    row.update(status="ok", reason=None, samples_per_s=1234.5, mfu=0.41)
+    assert report.trial_line(row).endswith(": 1,234.5 samples/s, MFU 41%  ok")
+
+
+def test_the_summary_of_a_search():
+    best = {"micro_batch_size": 8, "num_devices": 2, "batch_size": 32, "grad_accum_steps": 2,
+            "samples_per_s": 672.7, "compile_s": 3.0, "mfu": None, "precision": None}  # fmt: skip
+    other = {**best, "micro_batch_size": 16, "grad_accum_steps": 1, "samples_per_s": 600.0,
+             "compile_s": 1.0}  # fmt: skip
+    summary = {
+        "recommended": best, "speedup_over_base": 1.25, "speedup_over_user": None,
+        "confidence": 95, "recommended_batch_size": 32, "top": [best, other],
+        "compile_break_even": [{"against": other, "extra_compile_s": 2.0,
+                                "break_even_steps": 1234}],
+    }  # fmt: skip
+    rows = [{"status": "ok"}, {"status": "oom"}]
+    assert report.summary_lines(rows, summary, Path("runs/x")) == [
+        "mbtune: 2 trials finished (1 not ok); results in runs/x",
+        "recommended: micro_batch_size 8, num_devices 2, batch_size 32 (grad_accum_steps 2): "
+        "672.7 samples/s, 1.25x base, confidence score 95 (out of 100)",
+        "  it compiles 2.0 s slower than micro_batch_size 16 on 2 device(s), and pays off "
+        "after 1,234 training steps",
+        "best configurations:",
+        "  rank  num_devices  batch_size  micro_batch_size  grad_accum   samples/s  compile_s",
+        "     1            2          32                 8           2       672.7        3.0",
+        "     2            2          32                16           1       600.0        1.0",
+    ]
+    nothing = {"recommended": None}
+    assert report.summary_lines(rows, nothing, Path("r")) == [
+        "mbtune: 2 trials finished (1 not ok); results in r",
+        "mbtune: no configuration ran successfully",
+    ]
