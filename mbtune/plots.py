@@ -1,4 +1,4 @@
-"""PNG plots of a run, from the frames of mbtune.analysis.
+"""PNG plots of a run, from the frames of mbtune.runs and mbtune.analysis.
 
 matplotlib's object API with its Agg renderer: no display, no pyplot state, nothing
 changed in the caller's own matplotlib (a notebook keeps its backend).
@@ -13,8 +13,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from mbtune.analysis import RunInfo, best_per_config
+from mbtune.analysis import best_per_config, ranked_ok
 from mbtune.errors import MbtuneError
+from mbtune.runs import RunInfo
 
 __all__ = [
     "PLOT_FILES",
@@ -72,9 +73,9 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
         ax.plot(ok.index, ok.to_numpy(), "o-", color=color, label=f"num_devices {n}")
         _mark_failed(ax, group, color, y=0.0)
     _failure_legend(ax, cells["status"])
-    ok = trials[trials["status"] == "ok"]
+    ok = ranked_ok(trials)
     if len(ok):
-        best = ok.loc[ok["samples_per_s"].idxmax()]
+        best = ok.iloc[0]
         ax.plot(
             [best["micro_batch_size"]], [best["samples_per_s"]], "*", color="gold",
             markersize=16, markeredgecolor="black", zorder=5,
@@ -117,12 +118,10 @@ def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, titl
 def step_time_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     """Each ok trial's median step split into compute, communication and pipeline bubble
     (stacked bars), ordered by (num_devices, batch_size, micro_batch_size)."""
-    ok = trials[trials["status"] == "ok"]
-    shown = ok
-    if len(ok) > STEP_TIME_BARS:
-        score = ok["objective"].where(ok["objective"] > 0, ok["samples_per_s"])
-        shown = ok.loc[score.sort_values(ascending=False).index[:STEP_TIME_BARS]]
-    shown = shown.sort_values(["num_devices", "batch_size", "micro_batch_size", "trial"])
+    ok = ranked_ok(trials)
+    shown = ok.head(STEP_TIME_BARS).sort_values(
+        ["num_devices", "batch_size", "micro_batch_size", "trial"]
+    )
     fig, ax = _figure(width=max(6.4, 0.45 * len(shown)))
     several_batches = trials["batch_size"].nunique() > 1
     labels = [
