@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -119,10 +119,12 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def did_you_mean(word: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing; case does not
+    count (``TPEE`` is near ``tpe``, ``block`` near ``Block``)."""
+    by_folded = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(str(word).lower(), list(by_folded), n=1)
+    return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
 
 
 def hf_model_type(name: str) -> str | None:

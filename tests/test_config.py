@@ -258,8 +258,8 @@ BAD = [
     ({"trial": {"compile": "yes"}}, r"^trial\.compile: expected true or false, got 'yes'"),
     ({"trial": {"measure_steps": 0}}, r"^trial\.measure_steps: 0 is out of range"),
     ({"trial": {"noise": float("nan")}}, r"^trial\.noise: expected a number from 0.0 to 1.0"),
-    ({"trial": {"drift": 1.0}}, r"^trial\.drift: 1\.0 is out of range; expected a number from 0 "
-     r"up to \(not including\) 1"),
+    ({"trial": {"drift": 1.0}}, r"^trial\.drift: 1\.0 is out of range; expected a number from "
+     r"0\.0 up to \(not including\) 1\.0$"),
     ({"trial": {"drift": 0.03}}, r"^trial\.drift: drift 0\.03 applies to replayed trials only, "
      r"and trial\.table is not set"),
     ({"search": {"max_repeats": 0}}, r"^search\.max_repeats: 0 is out of range; expected a whole "
