@@ -2,7 +2,7 @@
 
 Method. On replay landscapes (samples/s per configuration; empty where out of memory),
 a search runs trial by trial in-process, exactly as `mbtune run` would drive it: the
-searcher of `search.sampler` (`mbtune.searchers.make_searcher`, deduplication included)
+searcher of `search.sampler` (`mbtune.search.make_searcher`, deduplication included)
 proposes, each trial reports 5 step times with 3% seeded noise each (as `trial.noise:
 0.03` replays them), and after every trial the reporter's confidence model
 (`mbtune.confidence.assess`, the function `mbtune run` calls) recommends a configuration

@@ -2,7 +2,7 @@
 
 Method. Each landscape is a replay table (samples/s per configuration, empty where out
 of memory). For every sampler and 30 seeds, the very searcher `mbtune run` uses
-(`mbtune.searchers.make_searcher`, deduplication included) is driven in-process, one
+(`mbtune.search.make_searcher`, deduplication included) is driven in-process, one
 trial at a time; each trial reports 5 step times with 3% seeded noise each and their
 median, as a replayed trial would (out-of-memory configurations report `oom`). We
 record the number of trials until a configuration whose *true* throughput is within 2%
@@ -43,7 +43,7 @@ from _common import BENCH, machine, save
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig, enumerate_configs
-from mbtune.searchers import METRIC, make_searcher
+from mbtune.search import METRIC, make_searcher
 
 SAMPLERS = ("model", "tpe", "gp", "random", "grid", "halving", "doubling")
 NOISE = 0.03

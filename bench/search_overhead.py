@@ -4,7 +4,7 @@ Method. A fixed set of configurations (the quickstart GPT on one device, micro-b
 2, 4, 8, 16 and 32, compiled as in the quickstart) is measured three ways: (1) a plain
 loop in one process calling `mbtune.trial.run_trial` for each configuration (with
 `torch._dynamo.reset()` between trials); (2) a plain loop that runs each trial in a
-fresh process exactly as a search does (`mbtune.search.measure_in_subprocess`), with no
+fresh process exactly as a search does (`mbtune.launch.measure_in_subprocess`), with no
 Ray and no Optuna; (3) `mbtune run` with the `grid` sampler over exactly those
 configurations: Ray started embedded, Optuna's storage, every trial in its own process.
 One untimed pass of (1) fills the compile cache first, so every arm compiles from a warm
@@ -55,13 +55,15 @@ def plain_loop() -> float:
 def subprocess_loop() -> float:
     from mbtune.config import load_experiment
     from mbtune.lattice import BatchConfig
-    from mbtune.search import measure_in_subprocess
+    from mbtune.launch import measure_in_subprocess
+    from mbtune.trial import TrialRequest
 
     started = time.perf_counter()
     exp = load_experiment(QUICKSTART, OVERRIDES)
     for m in SIZES:
         config = BatchConfig(exp.train_input.batch_size, 1, m)
-        result = measure_in_subprocess(exp.to_dict(), config, cwd=str(ROOT), timeout_s=600)
+        request = TrialRequest(experiment=exp, config=config)
+        result = measure_in_subprocess(request, cwd=str(ROOT))
         assert result["status"] == "ok", result["reason"]
     return time.perf_counter() - started
 

@@ -10,8 +10,10 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    runs, whatever n and B are).
 2. **Measurement noise.** Each trial keeps every step time. The relative spread of step
    times is pooled over all trials (one trial's few steps say little on their own) and
-   turned into the variance of the log of each trial's median, plus a floor for the
-   run-to-run drift one trial cannot see (``noise_floor``).
+   turned into the variance of the log of each trial's median, plus the run-to-run drift
+   one trial cannot see: estimated from the configurations measured more than once (how
+   far their repeats disagree beyond their step noise), with ``noise_floor`` as the
+   prior (worth ``DRIFT_PRIOR_DOF`` repeats). Every repeat is an observation of its own.
 3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B, and
    activation checkpointing as 0 or 1 where the space searches it) is a
    Gaussian process: a constant, a linear trend (throughput scales with devices and
@@ -25,11 +27,16 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    measured or not, are drawn from the posterior. The recommendation is the measured
    configuration with the highest posterior mean; the score is the fraction of samples
    in which it is within ``tolerance`` of the sample's best, in percent, capped at 99.
+   Each other configuration's *threat* is the fraction in which it beats the
+   recommendation by more than ``tolerance``: what the search weighs when it chooses
+   between a new configuration and another look at a measured one (mbtune.search).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +50,10 @@ from mbtune.lattice import BatchConfig
 __all__ = [
     "Assessment",
     "Observation",
+    "SearchModel",
     "as_number",
     "assess",
+    "between_trial_drift",
     "observation",
     "relative_step_noise",
 ]
@@ -57,6 +66,11 @@ MAX_SCORE = 99
 
 DEFAULT_NOISE = 0.03
 """Relative step-time spread assumed while no trial has kept two step times."""
+
+DRIFT_PRIOR_DOF = 2
+"""How many repeats' worth of evidence ``noise_floor`` counts for as the drift's prior:
+little, so that a run whose repeats disagree (a machine getting busier) or agree (a
+quiet accelerator) soon speaks for itself."""
 
 _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
 _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
@@ -138,6 +152,16 @@ class Assessment:
     """Of those, how many were never measured."""
     p_best: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
     """For each feasible configuration, the probability that it is the fastest."""
+    threat: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """For each feasible configuration, the probability that it beats the recommendation
+    by more than the tolerance (the recommendation's own is 0)."""
+    looks: dict[BatchConfig, int] = field(default_factory=dict, repr=False)
+    """How many finished trials measured each configuration (any status)."""
+    drift: float = 0.0
+    """The relative run-to-run drift the model assumed (the estimate from repeats, or the
+    prior alone)."""
+    drift_dof: int = 0
+    """Degrees of freedom of repeats behind ``drift`` (0: the prior alone)."""
 
 
 def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int]:
@@ -170,15 +194,17 @@ def assess(
     ``global_objective``: the objective grows with the devices (samples/s of all of them),
     so the model learns it per device and multiplies back; False when it is per device.
     """
-    latest = {o.config: o for o in observations}  # a re-measurement replaces the first
-    feasible = _feasible(points, latest.values())
-    ok = [o for o in latest.values() if o.status == "ok" and o.value and o.config in feasible]
+    looks: dict[BatchConfig, list[Observation]] = {}
+    for o in observations:  # every repeat of a configuration is an observation of it
+        looks.setdefault(o.config, []).append(o)
+    counts = {config: len(seen) for config, seen in looks.items()}
+    feasible = _feasible(points, observations)
+    ok = [o for o in observations if o.status == "ok" and o.value and o.config in feasible]
     if not ok:
-        return Assessment(None, None, 0, 0.0, len(feasible), len(feasible))
+        return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
     spread, _ = relative_step_noise(ok)
-    noise_var = np.array(
-        [(math.pi / 2) * spread**2 / max(1, len(o.step_times_ms)) + noise_floor**2 for o in ok]
-    )
+    drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
+    noise_var = np.array([_step_var(spread, o) + drift**2 for o in ok])
     scale = _Scale(points)
     candidates = sorted(feasible)
     z = scale(candidates)
@@ -190,30 +216,98 @@ def assess(
     gp = _Mixture(scale(o.config for o in ok), y, noise_var)
     offset = per_device(candidates)
     index = {c: i for i, c in enumerate(candidates)}
-    measured = [index[o.config] for o in ok]
+    measured = sorted({index[o.config] for o in ok})
     fitted = dict(zip(measured, gp.mean(z[measured]) + offset[measured], strict=True))
     best_measured = max(measured, key=fitted.__getitem__)
     keep = _threats(gp, z, offset, best_measured, tolerance)
     draws = gp.sample(z[keep], samples, seed) + offset[keep]
     r = keep.index(best_measured)
-    within = draws[:, r] >= draws.max(axis=1) + math.log(1 - tolerance)
+    margin = math.log(1 - tolerance)
+    within = draws[:, r] >= draws.max(axis=1) + margin
     probability = float(within.mean())
     winners = np.bincount(draws.argmax(axis=1), minlength=len(keep)) / len(draws)
+    beats = (draws + margin > draws[:, [r]]).mean(axis=0)
     recommended = candidates[best_measured]
+    values = [o.value for o in ok if o.config == recommended]
     return Assessment(
         recommended=recommended,
-        value=latest[recommended].value,
+        value=math.exp(statistics.fmean(map(math.log, values))),  # every look, pooled
         confidence=min(MAX_SCORE, int(probability * 100)),
         probability=probability,
         feasible=len(candidates),
-        unmeasured=len(candidates) - len(ok),
+        unmeasured=len(candidates) - len(measured),
         p_best={candidates[i]: float(p) for i, p in zip(keep, winners, strict=True)},
+        threat={candidates[i]: float(p) for i, p in zip(keep, beats, strict=True)},
+        looks=counts,
+        drift=drift,
+        drift_dof=drift_dof,
+    )
+
+
+def _step_var(spread: float, o: Observation) -> float:
+    """The variance of the log of one trial's median step time, from the step noise: the
+    median of k samples varies pi/2 times as much as their mean."""
+    return (math.pi / 2) * spread**2 / max(1, len(o.step_times_ms))
+
+
+def between_trial_drift(
+    ok: Sequence[Observation], spread: float, *, prior: float
+) -> tuple[float, int]:
+    """The relative drift between trials of one configuration, and the degrees of freedom
+    of repeats it rests on: how far repeats disagree beyond what their step noise
+    explains, pooled over configurations, shrunk towards ``prior`` (worth
+    ``DRIFT_PRIOR_DOF`` degrees of freedom)."""
+    logs: dict[BatchConfig, list[float]] = {}
+    noise: dict[BatchConfig, list[float]] = {}
+    for o in ok:
+        logs.setdefault(o.config, []).append(math.log(o.value))
+        noise.setdefault(o.config, []).append(_step_var(spread, o))
+    excess, dof = 0.0, 0
+    for config, y in logs.items():
+        if len(y) < 2:
+            continue
+        mean = statistics.fmean(y)
+        # E[sum of squares] = (r - 1) (drift^2 + the mean step variance)
+        excess += sum((v - mean) ** 2 for v in y) - (len(y) - 1) * statistics.fmean(noise[config])
+        dof += len(y) - 1
+    if not dof:
+        return prior, 0
+    estimate = max(0.0, excess / dof)
+    return math.sqrt((DRIFT_PRIOR_DOF * prior**2 + dof * estimate) / (DRIFT_PRIOR_DOF + dof)), dof
+
+
+@dataclass(frozen=True)
+class SearchModel:
+    """The one model the search proposes with and the reporter scores with: the same
+    space, noise floor, objective and seed, so the two never fit different models.
+    Its assessments are remembered for the latest few sets of observations (the searcher
+    and the reporter ask about the same trials one after the other)."""
+
+    points: tuple[BatchConfig, ...]
+    noise_floor: float = 0.0
+    global_objective: bool = True
+    seed: int = 0
+
+    def assess(self, observations: Sequence[Observation]) -> Assessment:
+        return _remembered(self, tuple(observations))
+
+
+@functools.lru_cache(maxsize=4)
+def _remembered(model: SearchModel, observations: tuple[Observation, ...]) -> Assessment:
+    return assess(
+        model.points,
+        observations,
+        noise_floor=model.noise_floor,
+        global_objective=model.global_objective,
+        seed=model.seed,
     )
 
 
 def _feasible(points: Sequence[BatchConfig], observed: Iterable[Observation]) -> set[BatchConfig]:
-    """The configurations that can still win: not failed, not above an out-of-memory size."""
+    """The configurations that can still win: not failed (in every look), not above an
+    out-of-memory size."""
     failed: set[BatchConfig] = set()
+    ran: set[BatchConfig] = set()
     # with and without activation checkpointing, memory grows with m on its own scale
     oom_at: dict[bool, float] = {False: math.inf, True: math.inf}
     for o in observed:
@@ -222,12 +316,14 @@ def _feasible(points: Sequence[BatchConfig], observed: Iterable[Observation]) ->
             oom_at[ac] = min(oom_at[ac], o.config.micro_batch_size)
         elif o.status != "ok":
             failed.add(o.config)
+        else:
+            ran.add(o.config)
         for m in o.oom_micro_batch_sizes:
             oom_at[ac] = min(oom_at[ac], m)
     return {
         c
         for c in (p.canonical() for p in points)
-        if c not in failed and c.micro_batch_size < oom_at[c.activation_checkpointing]
+        if (c in ran or c not in failed) and c.micro_batch_size < oom_at[c.activation_checkpointing]
     }
 
 

@@ -14,17 +14,18 @@ estimate is the recommended configuration's measured objective over base.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mbtune import lattice
-from mbtune.confidence import Assessment, as_number, assess, observation
+from mbtune.confidence import Assessment, SearchModel, as_number, observation
 from mbtune.lattice import BatchConfig
 from mbtune.report import stream_line
 
-__all__ = ["Recommendation", "Reporter"]
+__all__ = ["Recommendation", "Reporter", "per_config"]
 
 Row = Mapping[str, Any]
 
@@ -85,30 +86,21 @@ class Reporter:
 
     def __init__(
         self,
-        points: Sequence[BatchConfig],
+        model: SearchModel | Sequence[BatchConfig],
         *,
         user_config: BatchConfig | None = None,
         user_batch_size: int | None = None,
-        noise_floor: float = 0.0,
-        global_objective: bool = True,
-        seed: int = 0,
     ) -> None:
-        self.points = list(points)
-        self.global_objective = global_objective
+        """``model``: the search's model (mbtune.confidence.SearchModel), which the searcher
+        proposes with; or the space alone, for a model with its defaults."""
+        if not isinstance(model, SearchModel):
+            model = SearchModel(tuple(sorted({p.canonical() for p in model})))
+        self.model = model
         self.user_config = user_config
         self.user_batch_size = user_batch_size
-        self.noise_floor = noise_floor
-        self.seed = seed
 
     def assess(self, rows: Sequence[Row]) -> Assessment:
-        observations = [o for o in map(observation, rows) if o is not None]
-        return assess(
-            self.points,
-            observations,
-            noise_floor=self.noise_floor,
-            global_objective=self.global_objective,
-            seed=self.seed,
-        )
+        return self.model.assess([o for o in map(observation, rows) if o is not None])
 
     def update(
         self, rows: Sequence[Row], history: Sequence[Mapping[str, Any]] = ()
@@ -120,7 +112,7 @@ class Reporter:
         if a.recommended is None or a.value is None:
             return None
         base = _base(history) or a.value
-        best = _row_of(rows, a.recommended)
+        best = per_config(rows)[a.recommended]
         rec = Recommendation(
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             trials=len(rows),
@@ -141,17 +133,15 @@ class Reporter:
         a = self.assess(rows)
         base = _base(history)
         out: dict[str, Any] = {"status": status, "trials": len(rows), "recommended": None}
-        ok = sorted(
-            (r for r in rows if getattr(observation(r), "status", None) == "ok"),
-            key=lambda r: -float(r["objective"]),
-        )
+        pooled = per_config(rows)
+        ok = sorted(pooled.values(), key=lambda r: -float(r["objective"]))
         out["top"] = [_brief(r) for r in ok[:5]]
         if a.recommended is None:
             return out
-        best = _row_of(rows, a.recommended)
+        best = pooled[a.recommended]
         value = float(best["objective"])
-        user = _row_of(rows, self.user_config.canonical()) if self.user_config else {}
-        user_value = as_number(user.get("objective")) if user.get("status") == "ok" else None
+        user = pooled.get(self.user_config.canonical(), {}) if self.user_config else {}
+        user_value = as_number(user.get("objective"))
         out.update(
             recommended=_brief(best),
             confidence=a.confidence,
@@ -160,6 +150,11 @@ class Reporter:
             speedup_over_user=round(value / user_value, 3) if user_value else None,
             recommended_batch_size=self.recommended_batch_size(a.recommended),
             compile_break_even=_break_even(best, ok[:5]),
+            drift={
+                "relative": round(a.drift, 4),
+                "repeats": a.drift_dof,
+                "prior": self.model.noise_floor,
+            },
         )
         return out
 
@@ -212,13 +207,24 @@ def _brief(row: Row) -> dict[str, Any]:
         **{k: as_number(row.get(k)) for k in ("samples_per_s", "objective", "compile_s", "mfu")},
         "peak_memory_bytes": int(peak) if peak is not None else None,
         "precision": row.get("precision") or None,
+        "measurements": int(row.get("measurements") or 1),
     }
 
 
-def _row_of(rows: Sequence[Row], config: BatchConfig) -> Row:
-    """The last ok row that measured ``config`` (empty if none)."""
-    for row in reversed(rows):
+def per_config(rows: Sequence[Row]) -> dict[BatchConfig, Row]:
+    """Each configuration's ok trials as one row: the last one's fields, its throughput
+    (samples/s, objective, TFLOP/s, MFU) the geometric mean over its ``measurements``."""
+    groups: dict[BatchConfig, list[Row]] = {}
+    for row in rows:
         o = observation(row)
-        if o is not None and o.config == config and o.status == "ok":
-            return row
-    return {}
+        if o is not None and o.status == "ok":
+            groups.setdefault(o.config, []).append(row)
+    out: dict[BatchConfig, Row] = {}
+    for config, group in groups.items():
+        pooled = {**group[-1], "measurements": len(group)}
+        for key in ("samples_per_s", "objective", "tflops_per_s", "mfu"):
+            values = [v for v in (as_number(r.get(key)) for r in group) if v]
+            if values:
+                pooled[key] = math.exp(statistics.fmean(map(math.log, values)))
+        out[config] = pooled
+    return out

@@ -96,13 +96,13 @@ def test_a_killed_driver_loses_no_finished_trial_and_resume_completes_it(tmp_pat
 
 
 def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
-    from mbtune.search import _graceful_stop
+    from mbtune.search import graceful_stop
 
     asked = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: asked.append(s))
     interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:
-        with _graceful_stop() as received:
+        with graceful_stop() as received:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
             assert received == [signal.SIGINT] and asked == [signal.SIGUSR1]
@@ -112,7 +112,7 @@ def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         # started in the background, a process ignores SIGINT: so does the search
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with _graceful_stop() as received:
+        with graceful_stop() as received:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
             assert received == [] and asked == [signal.SIGUSR1]

@@ -19,7 +19,8 @@ import yaml
 from mbtune import progress
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.search import measure_in_subprocess
+from mbtune.launch import measure_in_subprocess
+from mbtune.trial import TrialRequest
 
 STAMP = r"mbtune \d\d:\d\d:\d\d  "
 MBTUNE = [sys.executable, "-m", "mbtune"]
@@ -55,8 +56,9 @@ def test_several_running_trials_are_numbered_as_trials_csv_will_number_them(monk
     display.phase("c", "compiling", 0, 0)
     display.draw()
     # two trials on one line of 80 columns: short, and cut at the 79th column
-    assert out.getvalue().rsplit("\r", 1)[-1] == (
-        "trial 5 n 1, B 32, m 8: starting, 0 s | trial 6 n 2, B 32, m 16: compiling, 0 s"[:79]
+    assert (
+        out.getvalue().rsplit("\r", 1)[-1]
+        == ("trial 5 n 1, B 32, m 8: starting, 0 s | trial 6 n 2, B 32, m 16: compiling, 0 s"[:79])
     )
     display.ended("b")  # b is trial 5 now: c will be the sixth
     assert out.getvalue().rsplit("\r", 1)[-1] == "trial 6 n 2, B 32, m 16: compiling, 0 s"
@@ -94,8 +96,8 @@ def test_the_trial_process_tells_each_phase_through_its_pipe(tmp_path):
         }
     )
     heard = []
-    result = measure_in_subprocess(exp.to_dict(), BatchConfig(4, 1, 2), cwd=str(tmp_path),
-                                   timeout_s=60, on_phase=lambda *p: heard.append(p))  # fmt: skip
+    request = TrialRequest(experiment=exp, config=BatchConfig(4, 1, 2))
+    result = measure_in_subprocess(request, cwd=str(tmp_path), on_phase=lambda *p: heard.append(p))
     assert result["status"] == "ok", result["reason"]
     assert heard == [("building", 0, 0), ("first step", 0, 0), ("warm-up", 1, 1),
                      ("timing", 1, 2), ("timing", 2, 2)]  # fmt: skip

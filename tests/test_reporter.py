@@ -107,8 +107,8 @@ def test_the_tune_callback_records_streams_and_stops(tmp_path):
 
     run = RunDir.create(tmp_path, "cb")
     lines: list[str] = []
-    log = TrialLog(run, lines.append, Reporter(POINTS))
-    stop = ConfidenceStop(log, target=90)
+    log = TrialLog(run, lines.append, Reporter(POINTS), target=90, max_repeats=1)
+    stop = ConfidenceStop(log)
     speeds = {(1, m): 100.0 * m for m in (1, 2, 4, 8, 16, 32)} | {(2, 16): None}
     speeds |= {(2, m): 190.0 * m for m in (1, 2, 4, 8)}
     for i, ((n, m), speed) in enumerate(speeds.items()):

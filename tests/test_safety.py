@@ -87,7 +87,7 @@ def ray_init(monkeypatch):
 
 def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
     from mbtune.cluster import init_ray
-    from mbtune.search import _start_ray
+    from mbtune.search import start_ray
 
     init_ray(None, True, False)
     assert ray_init[-1]["include_dashboard"] is True
@@ -97,7 +97,7 @@ def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
     # ray.dashboard: true in the experiment (as --dashboard) starts it on loopback too
     exp = parse_experiment({**yaml.safe_load(VALID), "ray": {"dashboard": True}})
     lines = []
-    _start_ray(exp, None, None, False, lines.append)
+    start_ray(exp, None, None, False, lines.append)
     assert ray_init[-1]["include_dashboard"] is True
     assert ray_init[-1]["dashboard_host"] == "127.0.0.1"
     assert lines == ["mbtune dashboard: http://127.0.0.1:8265"]
@@ -105,7 +105,7 @@ def test_the_dashboard_binds_to_loopback(ray_init, monkeypatch):
     # to open the dashboard
     lines.clear()
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as ray.init sets it
-    _start_ray(exp, None, None, False, lines.append)
+    start_ray(exp, None, None, False, lines.append)
     assert lines == [
         "mbtune dashboard: http://127.0.0.1:8265 (it asks for Ray's token: "
         "`ray get-auth-token` prints it)"

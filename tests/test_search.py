@@ -7,7 +7,9 @@ import pytest
 
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.search import measure_in_subprocess, run_search
+from mbtune.launch import measure_in_subprocess
+from mbtune.trial import TrialRequest
+from mbtune.search import run_search
 
 TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,status
 32,1,1,100,ok
@@ -130,18 +132,16 @@ def test_a_trial_process_that_dies_is_a_recorded_error(tmp_path, how, reason):
             "trial": {"compile": False},
         }
     )
-    result = measure_in_subprocess(
-        exp.to_dict(), BatchConfig(4, 1, 2), cwd=str(tmp_path), timeout_s=30
-    )
+    request = TrialRequest(experiment=exp, config=BatchConfig(4, 1, 2))
+    result = measure_in_subprocess(request, cwd=str(tmp_path))
     assert result["status"] == "error" and reason in result["reason"]
     assert result["objective"] == 0.0 and result["micro_batch_size"] == 2
 
 
 def test_the_trial_process_reports_json(tmp_path):
     exp = replay_experiment(tmp_path)
-    result = measure_in_subprocess(
-        exp.to_dict(), BatchConfig(32, 2, 8), cwd=str(tmp_path), timeout_s=30
-    )
+    request = TrialRequest(experiment=exp, config=BatchConfig(32, 2, 8))
+    result = measure_in_subprocess(request, cwd=str(tmp_path))
     assert result["status"] == "ok" and result["samples_per_s"] == 630.0
     assert result["objective"] == 630.0
 
@@ -217,9 +217,8 @@ def test_a_run_begun_by_an_older_mbtune_keeps_its_columns(tmp_path):
 def test_a_trial_whose_directory_is_missing_on_its_node_is_a_recorded_error(tmp_path):
     exp = replay_experiment(tmp_path)
     missing = tmp_path / "not-on-this-node"
-    result = measure_in_subprocess(
-        exp.to_dict(), BatchConfig(32, 2, 8), cwd=str(missing), timeout_s=30
-    )
+    request = TrialRequest(experiment=exp, config=BatchConfig(32, 2, 8))
+    result = measure_in_subprocess(request, cwd=str(missing))
     assert result["status"] == "error" and result["objective"] == 0.0
     assert result["reason"].startswith(f"cannot start the trial process in {missing} on ")
 
@@ -234,13 +233,13 @@ def test_the_callbacks_still_pickle_once_ray_has_replaced_print(tmp_path, monkey
 
     from mbtune.reporter import Reporter
     from mbtune.rundir import RunDir
-    from mbtune.search import ConfidenceStop, TrialLog, _echo
+    from mbtune.search import ConfidenceStop, TrialLog, print_line
 
     original = builtins.print
     monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: None)  # as Ray's tqdm does
-    log = TrialLog(RunDir.create(tmp_path, "x"), _echo, Reporter([BatchConfig(32, 1, 4)]))
-    restored = cloudpickle.loads(cloudpickle.dumps(ConfidenceStop(log, 90)))
-    assert restored.log.echo is _echo and restored.target == 90
+    log = TrialLog(RunDir.create(tmp_path, "x"), print_line, Reporter([BatchConfig(32, 1, 4)]))
+    restored = cloudpickle.loads(cloudpickle.dumps(ConfidenceStop(log)))
+    assert restored.log.echo is print_line and restored.log.target == 90
     with pytest.raises(pickle.PicklingError, match="not the same object as builtins.print"):
         cloudpickle.dumps(original)  # what the search held before: its state was not saved
 

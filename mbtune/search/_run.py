@@ -1,4 +1,4 @@
-"""The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed by Optuna.
+"""The search's run: a Ray Tune ``Tuner`` whose trials run the trial engine.
 
 Each trial runs in a process of its own (``python -m mbtune.trial``), started by the Ray
 trial actor, so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial
@@ -9,41 +9,38 @@ process per device, are that trial's own (see mbtune.ddp).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import re
-import signal
-import sys
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import tune
-from ray.tune import Callback
 from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from mbtune import progress
-from mbtune.cluster import EXIT_CLUSTER_LOST, cluster_size, init_ray, token_note, watch_head
+from mbtune.cluster import cluster_size, init_ray, token_note, watch_head
+from mbtune.confidence import SearchModel
 from mbtune.config import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.launch import measure_in_subprocess, measure_with_ray_train
-from mbtune.report import summary_lines, trial_line
+from mbtune.report import summary_lines
 from mbtune.reporter import Reporter
-from mbtune.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.rundir import RunDir
+from mbtune.search._ledger import ConfidenceStop, TrialLog, TrialProgress, head_lost, print_line
+from mbtune.search._searcher import make_searcher, pack_result, settled
+from mbtune.search._signals import graceful_stop
 from mbtune.trial import TrialRequest
 
 __all__ = [
+    "RAY_DIR",
     "SearchOutcome",
-    "measure_with_ray_train",
     "resume_search",
     "run_search",
     "search_points",
+    "start_ray",
     "trial_resources",
 ]
 
@@ -76,33 +73,24 @@ def run_search(
     echo: Any = None,
 ) -> SearchOutcome:
     """Search ``exp``'s space and return what was measured; writes a run directory."""
-    from mbtune.searchers import make_searcher
-
-    echo = echo or _echo
+    say = echo or print_line
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
-    cluster = _start_ray(exp, address, dashboard, verbose, echo)
+    cluster = start_ray(exp, address, dashboard, verbose, say)
     run = RunDir.create(exp.output_dir, exp.name)
     run.write_experiment(exp.to_dict())
     s = exp.search
-    searcher = make_searcher(
-        s.sampler,
-        points,
-        seed=s.seed,
-        storage=_optuna_storage(run),
-        start_points=s.start_points,
-        global_objective=s.objective == "samples_per_s",
-        ledger=run.trials_file,
-    )
+    model = _model_for(exp, points)
+    searcher = _searcher_for(exp, model, run, say)
     if earlier is not None:
         told = _warm_start(searcher, earlier, exp, points)
-        echo(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
-    echo(
+        say(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
+    say(
         f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
         f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
     )
-    reporter = _reporter_for(exp, points, run)
-    log = TrialLog(run, echo, reporter)
+    reporter = _reporter_for(exp, model)
+    log = TrialLog(run, say, reporter, target=s.confidence_target, max_repeats=s.max_repeats)
     tuner = tune.Tuner(
         _trainable_for(exp),
         tune_config=tune.TuneConfig(
@@ -120,11 +108,11 @@ def run_search(
             verbose=1 if verbose else 0,
             # Tune's own per-trial result.json and progress.csv (see cluster.init_ray)
             callbacks=[TrialProgress(), log, JsonLoggerCallback(), CSVLoggerCallback()],
-            stop=ConfidenceStop(log, s.confidence_target),
+            stop=ConfidenceStop(log),
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    return _fit(tuner, run, exp, reporter, echo, cluster)
+    return _fit(tuner, run, exp, reporter, say, cluster)
 
 
 def resume_search(
@@ -142,42 +130,34 @@ def resume_search(
     state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
-    cluster = _start_ray(exp, address, dashboard, verbose, _echo)
-    _echo(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
-    reporter = _reporter_for(exp, search_points(exp), run)
-    # the callbacks and the stopper come back with Ray's saved state; they keep theirs
-    # in the run directory
+    cluster = start_ray(exp, address, dashboard, verbose, print_line)
+    print_line(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
+    # the searcher, the callbacks and the stopper come back with Ray's saved state; they
+    # read what finished since from the run directory
     tuner = tune.Tuner.restore(
         str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
     )
-    return _fit(tuner, run, exp, reporter, _echo, cluster)
+    return _fit(tuner, run, exp, reporter, print_line, cluster)
 
 
 RAY_DIR = "ray"
 """Ray Tune's own experiment state, inside the run directory."""
 
 
-def _echo(line: str) -> None:
-    """Print one line now. Not ``print`` itself: Tune pickles the callbacks with its
-    experiment state, and once Ray has replaced ``builtins.print`` (it does to show worker
-    output, on a cluster or with --verbose) the original no longer pickles. Above the
-    progress line, where one is shown (mbtune.progress)."""
-    progress.echo(line)
-
-
 def _fit(
     tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any, cluster: str | None
 ) -> SearchOutcome:
-    lost = functools.partial(_head_lost, cluster, run, reporter)
+    lost = functools.partial(head_lost, cluster, run, reporter)
     with (
-        _graceful_stop() as interrupted,
+        graceful_stop() as interrupted,
         watch_head(cluster, lost),
         progress.shown(finished=len(run.trials())),
     ):
         tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
-    confident = bool(history) and history[-1]["confidence"] >= target
+    confident = bool(history) and _settled(exp, reporter, rows, history[-1])
     status = "interrupted" if interrupted else "confident" if confident else "finished"
     summary = reporter.summary(rows, status, history)
     run.write_json("summary.json", summary)
@@ -192,78 +172,46 @@ def _fit(
     return outcome
 
 
-_LEDGER = threading.Lock()
-"""Held while a finished trial is written, so that a search ended by a lost head never
-leaves one half-written."""
-
-
-def _head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) -> None:
-    """The cluster's head went away: Tune's loop waits on it and cannot return. Every
-    finished trial is in trials.csv already; write the summary (interrupted, and why), say
-    so in one line and exit. The trial in flight was not measured: --resume runs it."""
-    with _LEDGER:  # no row is being written now, and none will be
-        rows = run.trials()
-        summary = reporter.summary(rows, "interrupted", run.recommendations())
-        summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
-        run.write_json("summary.json", summary)
-        sys.stdout.flush()
-        print(
-            f"mbtune: error: the Ray cluster's head node ({cluster}) has not answered for "
-            f"{silent_s:.0f} s; {run.trials_file} holds the {len(rows)} finished trial(s); "
-            f"continue with: mbtune run --resume {run.path} (and --address of a cluster)",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_CLUSTER_LOST)  # Tune's loop waits on the dead cluster: it cannot return
-
-
-@contextlib.contextmanager
-def _graceful_stop() -> Iterator[list[int]]:
-    """SIGINT or SIGTERM stop the search as Tune's own Ctrl-C does: running trials end,
-    Ray's state is saved for --resume, and fit() returns. A second signal stops at once.
-    Yields a list that holds the signal once one came."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received  # signals reach only the main thread: nothing to catch here
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        if received:
-            raise KeyboardInterrupt
-        received.append(signum)
-        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for its Ctrl-C
-
-    # a signal the process was started ignoring (a background job's SIGINT) stays ignored
-    old = {
-        s: signal.signal(s, stop)
-        for s in (signal.SIGINT, signal.SIGTERM)
-        if signal.getsignal(s) is not signal.SIG_IGN
-    }
-    was = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT is ours; SIGUSR1 stays Tune's
-    try:
-        yield received
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if was is None:
-            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
-        else:
-            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = was
-
-
-def _reporter_for(exp: Experiment, points: list[BatchConfig], run: RunDir) -> Reporter:
-    return Reporter(
-        points,
-        user_config=exp.user_config,
-        user_batch_size=exp.train_input.batch_size,
+def _settled(exp: Experiment, reporter: Reporter, rows: list, last: dict[str, Any]) -> bool:
+    config = BatchConfig.from_mapping(last)
+    looks = reporter.assess(rows).looks.get(config.canonical(), 0)
+    return settled(
+        last["confidence"],
+        looks,
+        target=exp.search.confidence_target,
+        max_repeats=exp.search.max_repeats,
         noise_floor=exp.noise_floor,
-        global_objective=exp.search.objective == "samples_per_s",
-        seed=exp.search.seed,
     )
 
 
-def _start_ray(
+def _model_for(exp: Experiment, points: list[BatchConfig]) -> SearchModel:
+    """The one search model of the run: the searcher proposes with it, the reporter
+    scores with it."""
+    s = exp.search
+    return SearchModel(tuple(points), exp.noise_floor, s.objective == "samples_per_s", s.seed)
+
+
+def _searcher_for(exp: Experiment, model: SearchModel, run: RunDir, say: Any) -> Any:
+    s = exp.search
+    return make_searcher(
+        s.sampler,
+        model.points,
+        seed=s.seed,
+        model=model,
+        storage=_optuna_storage(run),
+        start_points=s.start_points,
+        ledger=run.trials_file,
+        target=s.confidence_target,
+        max_repeats=s.max_repeats,
+        announce=say,
+    )
+
+
+def _reporter_for(exp: Experiment, model: SearchModel) -> Reporter:
+    return Reporter(model, user_config=exp.user_config, user_batch_size=exp.train_input.batch_size)
+
+
+def start_ray(
     exp: Experiment, address: str | None, dashboard: bool | None, verbose: bool, echo: Any
 ) -> str | None:
     """Start or join Ray; the cluster's GCS address once joined, None for an embedded Ray."""
@@ -340,8 +288,6 @@ def _trainable(config: dict[str, Any], *, experiment: Experiment, cwd: str) -> N
     """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
     measured, and where, to Tune. ``config["repeat"]``: which measurement of the
     configuration this is (0: its first)."""
-    from mbtune.searchers import pack_result
-
     request = TrialRequest(
         experiment=experiment,
         config=BatchConfig.from_mapping(config),
@@ -350,108 +296,3 @@ def _trainable(config: dict[str, Any], *, experiment: Experiment, cwd: str) -> N
     measure = measure_with_ray_train if _is_ddp(experiment) else measure_in_subprocess
     result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
     tune.report(pack_result({**result, "node_id": ray.get_runtime_context().get_node_id()}))
-
-
-# ---------------------------------------------------------------------------
-# what the user sees
-
-
-class TrialLog(Callback):
-    """After every finished trial: append it to trials.csv (flushed), print its line, then
-    the reporter's recommendation (printed and appended to recommendations.jsonl)."""
-
-    def __init__(self, run: RunDir, echo: Any, reporter: Reporter) -> None:
-        self.run, self.echo, self.reporter = run, echo, reporter
-        self.results: dict[str, dict[str, Any]] = {}
-        self.confidence = 0
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        from mbtune.searchers import unpack_result
-
-        self.results[trial.trial_id] = unpack_result(result)
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        result = self.results.pop(trial.trial_id, None)
-        if result is not None:  # None: stopped before it reported, e.g. once confident
-            self._finish(trial, result)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
-
-    def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
-        with _LEDGER:  # a finished trial is written whole (row, recommendation) or not at all
-            row = self._record(trial, result, crashed)
-            if row is None:
-                return
-            self.echo(trial_line(row))
-            rec = self.reporter.update(self.run.trials(), self.run.recommendations())
-            if rec is not None:
-                self.run.append_recommendation(rec.record())
-                self.confidence = rec.confidence
-                self.echo(rec.line())
-
-    def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
-        finished = self.run.trials()
-        if any(r.get("trial_id") == trial.trial_id for r in finished):
-            return None  # recorded before an interruption; Ray's state had not caught up
-        row: dict[str, Any] = {
-            **BatchConfig.from_mapping(trial.config).sizes(),
-            "status": "error",
-            "reason": "no result",
-        }
-        if crashed and result is None:
-            row["reason"], row["node_id"] = _actor_failure(trial)
-        row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
-        row["trial"] = len(finished) + 1
-        row["trial_id"] = trial.trial_id
-        row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self.run.append_trial(row)
-        return row
-
-
-def _actor_failure(trial: Any) -> tuple[str, str | None]:
-    """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
-    the error Tune recorded; and the node that ran it, where the cluster still knows."""
-    path = getattr(trial, "error_file", None)
-    try:
-        text = Path(path).read_text(errors="replace") if path else ""
-    except OSError:
-        text = ""
-    last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
-    words = " ".join(line.strip() for line in last if line.strip())
-    reason = "the trial actor failed" + (f": {words[:300]}" if words else "")
-    node = None
-    actor = re.search(r"\b[Aa]ctor ([0-9a-f]{32})\b", words)
-    if actor:
-        try:
-            node = ray._private.state.actors(actor.group(1))["Address"]["NodeID"] or None
-        except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
-            node = None
-    return reason, node
-
-
-class TrialProgress(Callback):
-    """Tells the progress display (mbtune.progress) which trials run; it keeps no state,
-    so that it pickles with Tune's."""
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        progress.started(trial.trial_id, BatchConfig.from_mapping(trial.config))
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        progress.ended(trial.trial_id)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        progress.ended(trial.trial_id)
-
-
-class ConfidenceStop(tune.Stopper):
-    """Stops the search once the reporter's confidence score reaches the target."""
-
-    def __init__(self, log: TrialLog, target: int) -> None:
-        self.log, self.target = log, target
-
-    def __call__(self, trial_id: str, result: dict) -> bool:
-        return False  # a trial reports once; only the whole search is stopped
-
-    def stop_all(self) -> bool:
-        return self.log.confidence >= self.target

@@ -1,0 +1,68 @@
+"""The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed by Optuna
+or by the search model, and reported on as they finish.
+
+Each trial runs in a process of its own (mbtune.launch), started by the Ray trial actor,
+so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial cannot touch
+another: the actor records what happened and the search goes on. With ``trial.parallel:
+ddp`` the trial actor instead fits a Ray Train run whose workers, one process per
+device, are that trial's own (see mbtune.ddp).
+
+The package's parts, private behind this surface: ``_run`` (the Tuner, resume, warm
+start), ``_searcher`` (what Tune asks for the next trial: proposals, the cache, another
+look), ``_proposers`` (Optuna's ask-and-tell and the baselines), ``_ledger`` (a finished
+trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and SIGTERM).
+"""
+
+from mbtune.search._ledger import ConfidenceStop, TrialLog, print_line
+from mbtune.search._proposers import (
+    METRIC,
+    DoublingSearcher,
+    GridSearcher,
+    HalvingSearcher,
+    OptunaSearcher,
+    OptunaSpace,
+)
+from mbtune.search._run import (
+    SearchOutcome,
+    resume_search,
+    run_search,
+    search_points,
+    start_ray,
+    trial_resources,
+)
+from mbtune.search._searcher import (
+    MbtuneSearcher,
+    another_look,
+    make_searcher,
+    one_look_reason,
+    pack_result,
+    settled,
+    unpack_result,
+)
+from mbtune.search._signals import graceful_stop
+
+__all__ = [
+    "METRIC",
+    "ConfidenceStop",
+    "DoublingSearcher",
+    "GridSearcher",
+    "HalvingSearcher",
+    "MbtuneSearcher",
+    "OptunaSearcher",
+    "OptunaSpace",
+    "SearchOutcome",
+    "TrialLog",
+    "another_look",
+    "graceful_stop",
+    "make_searcher",
+    "one_look_reason",
+    "pack_result",
+    "print_line",
+    "resume_search",
+    "run_search",
+    "search_points",
+    "settled",
+    "start_ray",
+    "trial_resources",
+    "unpack_result",
+]

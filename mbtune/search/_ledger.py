@@ -1,0 +1,203 @@
+"""What a finished trial becomes: a trials.csv row, a line of the stream, the next
+recommendation; and when the search may stop. Ray Tune callbacks (they run in the
+driver, one trial at a time).
+
+The records are kept in memory as the trials reported them (numbers, lists); trials.csv
+is read only when a resumed search restores its callbacks from Ray's saved state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+from ray.tune import Callback
+
+from mbtune import progress
+from mbtune.cluster import EXIT_CLUSTER_LOST
+from mbtune.lattice import BatchConfig
+from mbtune.report import trial_line
+from mbtune.reporter import Reporter
+from mbtune.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.search._searcher import settled, unpack_result
+
+__all__ = ["LEDGER_LOCK", "ConfidenceStop", "TrialLog", "TrialProgress", "head_lost", "print_line"]
+
+LEDGER_LOCK = threading.Lock()
+"""Held while a finished trial is written, so that a search ended by a lost head never
+leaves one half-written."""
+
+
+def print_line(line: str) -> None:
+    """Print one line now. Not ``print`` itself: Tune pickles the callbacks with its
+    experiment state, and once Ray has replaced ``builtins.print`` (it does to show worker
+    output, on a cluster or with --verbose) the original no longer pickles. Above the
+    progress line, where one is shown (mbtune.progress)."""
+    progress.echo(line)
+
+
+class TrialLog(Callback):
+    """After every finished trial: append it to trials.csv (flushed), print its line, then
+    the reporter's recommendation (printed and appended to recommendations.jsonl), and
+    decide whether the search may stop (:func:`mbtune.search.settled`)."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        echo: Any,
+        reporter: Reporter,
+        *,
+        target: int = 90,
+        max_repeats: int = 3,
+    ) -> None:
+        self.run, self.echo, self.reporter = run, echo, reporter
+        self.target, self.max_repeats = target, max_repeats
+        self.results: dict[str, dict[str, Any]] = {}
+        self.settled = False
+        """The confidence score reached its target and the leader was measured twice."""
+        self._rows: list[dict[str, Any]] | None = []
+        self._history: list[dict[str, Any]] | None = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune saves the callbacks with its state; a resumed search reads the records back
+        # from the run directory, which holds every trial finished since that save too
+        return {**self.__dict__, "_rows": None, "_history": None}
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every finished trial of the run, in order."""
+        if self._rows is None:
+            self._rows, self._history = self.run.trials(), self.run.recommendations()
+        return self._rows
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every recommendation of the run, in order."""
+        self.rows  # noqa: B018 - loads both
+        assert self._history is not None
+        return self._history
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.results[trial.trial_id] = unpack_result(result)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        result = self.results.pop(trial.trial_id, None)
+        if result is not None:  # None: stopped before it reported, e.g. once confident
+            self._finish(trial, result)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._finish(trial, self.results.pop(trial.trial_id, None), crashed=True)
+
+    def _finish(self, trial: Any, result: dict | None, crashed: bool = False) -> None:
+        with LEDGER_LOCK:  # a finished trial is written whole (row, recommendation) or not
+            row = self._record(trial, result, crashed)
+            if row is None:
+                return
+            self.echo(trial_line(row))
+            rec = self.reporter.update(self.rows, self.history)
+            if rec is not None:
+                self.run.append_recommendation(rec.record())
+                self.history.append(rec.record())
+                self.echo(rec.line())
+                looks = self.reporter.assess(self.rows).looks.get(rec.config, 0)
+                self.settled = settled(
+                    rec.confidence,
+                    looks,
+                    target=self.target,
+                    max_repeats=self.max_repeats,
+                    noise_floor=self.reporter.model.noise_floor,
+                )
+
+    def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
+        if any(r.get("trial_id") == trial.trial_id for r in self.rows):
+            return None  # recorded before an interruption; Ray's state had not caught up
+        row: dict[str, Any] = {
+            **BatchConfig.from_mapping(trial.config).sizes(),
+            "repeat": int(trial.config.get("repeat", 0)),
+            "status": "error",
+            "reason": "no result",
+        }
+        if crashed and result is None:
+            row["reason"], row["node_id"] = _actor_failure(trial)
+        row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
+        row["trial"] = len(self.rows) + 1
+        row["trial_id"] = trial.trial_id
+        row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self.run.append_trial(row)
+        self.rows.append(row)
+        return row
+
+
+def _actor_failure(trial: Any) -> tuple[str, str | None]:
+    """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
+    the error Tune recorded; and the node that ran it, where the cluster still knows."""
+    path = getattr(trial, "error_file", None)
+    try:
+        text = Path(path).read_text(errors="replace") if path else ""
+    except OSError:
+        text = ""
+    last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
+    words = " ".join(line.strip() for line in last if line.strip())
+    reason = "the trial actor failed" + (f": {words[:300]}" if words else "")
+    node = None
+    actor = re.search(r"\b[Aa]ctor ([0-9a-f]{32})\b", words)
+    if actor:
+        try:  # Ray has no public way to ask the GCS where an actor ran without a dashboard
+            node = ray._private.state.actors(actor.group(1))["Address"]["NodeID"] or None
+        except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
+            node = None
+    return reason, node
+
+
+class TrialProgress(Callback):
+    """Tells the progress display (mbtune.progress) which trials run; it keeps no state,
+    so that it pickles with Tune's."""
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        progress.started(trial.trial_id, BatchConfig.from_mapping(trial.config))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        progress.ended(trial.trial_id)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        progress.ended(trial.trial_id)
+
+
+class ConfidenceStop(tune.Stopper):
+    """Stops the search once the trial log says it is settled."""
+
+    def __init__(self, log: TrialLog) -> None:
+        self.log = log
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return False  # a trial reports once; only the whole search is stopped
+
+    def stop_all(self) -> bool:
+        return self.log.settled
+
+
+def head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) -> None:
+    """The cluster's head went away: Tune's loop waits on it and cannot return. Every
+    finished trial is in trials.csv already; write the summary (interrupted, and why), say
+    so in one line and exit. The trial in flight was not measured: --resume runs it."""
+    with LEDGER_LOCK:  # no row is being written now, and none will be
+        rows = run.trials()
+        summary = reporter.summary(rows, "interrupted", run.recommendations())
+        summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
+        run.write_json("summary.json", summary)
+        sys.stdout.flush()
+        print(
+            f"mbtune: error: the Ray cluster's head node ({cluster}) has not answered for "
+            f"{silent_s:.0f} s; {run.trials_file} holds the {len(rows)} finished trial(s); "
+            f"continue with: mbtune run --resume {run.path} (and --address of a cluster)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_CLUSTER_LOST)  # Tune's loop waits on the dead cluster: it cannot return
