@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from mbtune.config import Experiment, load_experiment
+from mbtune.config import ConfigError, Experiment, load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.report import experiment_lines, export_header, micro_batches, result_lines
+from mbtune.report import experiment_lines, micro_batches, result_lines
 from mbtune.starter import DEVICES, MODES, write_starter
 
 __all__ = ["main", "space_rows"]
@@ -333,83 +334,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from mbtune import analysis
-    from mbtune.export import FRAMEWORKS
+    from mbtune.analyze import analyze
 
-    if len(args.runs) > 2:
-        raise MbtuneError(
-            f"analyze: give one run directory, or two to compare; got {len(args.runs)}"
-        )
-    if args.export is not None:
-        if args.export not in FRAMEWORKS:
-            raise MbtuneError(
-                f"--export: unknown framework {args.export!r}; valid: {', '.join(FRAMEWORKS)}"
-            )
-        if len(args.runs) != 1:
-            raise MbtuneError("--export: give one run directory (its recommendation is exported)")
-    runs = [(analysis.load_run(path), analysis.run_info(path)) for path in args.runs]
-    # what is not for the terminal reader goes to stderr, so that csv and json pipe cleanly
-    notes = sys.stdout if args.format in ("table", "markdown") else sys.stderr
-    if len(runs) == 2:
-        (a, info_a), (b, info_b) = runs
-        for trials, info in runs:
-            if trials.empty:  # a run with only failed trials still compares: they are results
-                raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
-        print(analysis.compare_report(a, b, info_a, info_b, args.format), end="")
-        if not args.no_plots:
-            from mbtune.plots import compare_figure, save
-
-            title = f"a: {info_a.path.name} vs b: {info_b.path.name}"
-            figure = compare_figure([a, b], ["a", "b"], title=title)
-            path = save(figure, info_a.path / f"compare-{info_b.path.name}.png")
-            print(f"plot: {path}", file=notes)
-        return 0
-    trials, info = runs[0]
-    if args.export is not None:
-        return _export(trials, info, args.export)
-    if trials.empty:
-        raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
-    print(analysis.run_report(trials, info, args.format), end="")
-    if not analysis.has_ok_trial(trials):
-        raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
-    if not args.no_plots:
-        from mbtune.plots import write_plots
-
-        written, skipped = write_plots(trials, info)
-        print("plots: " + ", ".join(str(p) for p in written), file=notes)
-        for line in skipped:
-            print(line, file=notes)
-    return 0
-
-
-def _export(trials: Any, info: Any, framework: str) -> int:
-    """Print the run's recommendation as ``framework``'s snippet and write it to the run."""
-    from mbtune.analysis import recommendation
-    from mbtune.export import export_config
-
-    rec = recommendation(trials, info)
-    c = rec.config
-    header = export_header(
-        c, samples_per_s=rec.samples_per_s, run_path=info.path, source=rec.source
-    )
-    snippet = export_config(
-        framework,
-        c,
-        pipeline_stages=rec.pipeline_stages,
-        recommended_batch_size=rec.recommended_batch_size,
-        header=header,
-        precision=rec.precision,
-        activation_checkpointing=c.activation_checkpointing,
-    )
-    path = info.path / snippet.filename
-    print(snippet.text, end="")
-    try:
-        path.write_text(snippet.text, encoding="utf-8")
-    except OSError as e:
-        raise MbtuneError(f"--export: cannot write {path}: {e.strerror or e}") from None
-    for note in snippet.notes:
-        print(f"mbtune: {note}", file=sys.stderr)
-    print(f"mbtune: wrote {path}", file=sys.stderr)
+    analyze(args.runs, fmt=args.format, export=args.export, plots=not args.no_plots)
     return 0
 
 
@@ -436,35 +363,27 @@ def _trial(args: argparse.Namespace) -> int:
 def trial_config(
     exp: Experiment, batch_size: int | None, num_devices: int | None, micro: int | None
 ) -> BatchConfig:
-    """The configuration ``mbtune trial`` measures: flags over the experiment's own."""
-    from mbtune import lattice
-
+    """The configuration ``mbtune trial`` measures: flags over the experiment's own, held
+    to train_input's rules (uneven where the experiment allows it); an error names the
+    flag that gave the value. Without a micro-batch size from either, m = P."""
     t = exp.train_input
-    b = batch_size if batch_size is not None else t.batch_size
-    n = num_devices if num_devices is not None else t.num_devices
-    for flag, value in (("--batch-size", b), ("--num-devices", n), ("--micro-batch-size", micro)):
-        if value is not None and value < 1:
-            raise MbtuneError(f"{flag}: must be a positive whole number, got {value}")
-    if b < n:
-        raise MbtuneError(
-            f"--batch-size: batch_size {b} is smaller than num_devices {n}; use >= {n}"
-        )
-    p = lattice.per_device_batch(b, n)
-    if micro is None:
-        micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else p
-    if micro > p:
-        raise MbtuneError(
-            f"--micro-batch-size: {micro} exceeds the per-device batch {p} (batch_size {b} / "
-            f"num_devices {n}); valid: 1..{p}"
-        )
-    config = BatchConfig(b, n, micro, exp.trial.activation_checkpointing)
-    uneven_ok = t.allow_uneven or t.mode == "explore"
-    if not config.is_strict and not uneven_ok:
-        try:
-            lattice.check_strict(b, n, micro)
-        except MbtuneError as e:
-            raise MbtuneError(f"{e} (or set train_input.allow_uneven: true)") from None
-    return config
+    flags = {
+        "batch_size": ("--batch-size", batch_size),
+        "num_devices": ("--num-devices", num_devices),
+        "micro_batch_size": ("--micro-batch-size", micro),
+    }
+    given: dict[str, Any] = {key: value for key, (_, value) in flags.items() if value is not None}
+    if micro is None and not isinstance(t.micro_batch_size, int):
+        given["micro_batch_size"] = "none"
+    try:
+        own = dataclasses.replace(t, allow_uneven=t.allow_uneven or t.mode == "explore", **given)
+    except ConfigError as e:
+        flag, value = flags.get(e.where.removeprefix("train_input."), ("", None))
+        if value is None:
+            raise
+        raise ConfigError(flag, e.rule) from None
+    assert own.config is not None  # an int m or none: the mode fixes m
+    return dataclasses.replace(own.config, activation_checkpointing=exp.trial.activation_checkpointing)
 
 
 if __name__ == "__main__":

@@ -389,3 +389,14 @@ def test_analyze_exports_the_precision_and_checkpointing_measured(capsys, tmp_pa
     assert snippet["train_micro_batch_size_per_gpu"] == 8
     code, out, _ = run(capsys, "analyze", path, "--no-plots")
     assert "micro_batch_size 8 (2 micro-batches per device, bf16, with activation " in out
+
+
+def test_analyze_is_a_thin_shell_over_one_function(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr("mbtune.analyze.analyze", lambda runs, **kw: seen.append((runs, kw)))
+    assert run(capsys, "analyze", "a", "b", "--format", "csv", "--no-plots")[0] == 0
+    assert run(capsys, "analyze", "a", "--export", "hf")[0] == 0
+    assert seen == [
+        (["a", "b"], {"fmt": "csv", "export": None, "plots": False}),
+        (["a"], {"fmt": "table", "export": "hf", "plots": True}),
+    ]
