@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from mbtune import record
+from mbtune.config import load_run_experiment
 from mbtune.errors import MbtuneError
+from mbtune.experiment import Experiment
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 
 __all__ = [
@@ -82,7 +83,8 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
             f"RUN_DIR: {run.path} has no trials.csv yet: no trial of this run has finished"
         )
     header, records, dropped = _read_trials_csv(run.trials_file)
-    frame, unusable = _typed_frame(header, records, _default_pipeline_stages(run))
+    stages = _experiment(run).train_input.pipeline_stages
+    frame, unusable = _typed_frame(header, records, stages)
     frame.attrs["dropped_rows"] = dropped + unusable
     return frame
 
@@ -192,52 +194,59 @@ def _parse_list(text: str, kind: type) -> list:
         return []
 
 
-def _default_pipeline_stages(run: RunDir) -> int:
-    stages = (_experiment(run).get("train_input") or {}).get("pipeline_stages", 1)
-    return stages if isinstance(stages, int) and stages >= 1 else 1
-
-
-def _experiment(run: RunDir) -> dict[str, Any]:
+def _experiment(run: RunDir) -> Experiment:
+    """The typed experiment the run saved; one that this mbtune cannot read is an error
+    that names the file."""
     try:
-        data = yaml.safe_load(run.experiment_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return load_run_experiment(run.path)
+    except MbtuneError as e:
         raise MbtuneError(f"RUN_DIR: cannot read {run.experiment_file}: {e}") from None
-    return data if isinstance(data, dict) else {}
 
 
 # ---------------------------------------------------------------------------
 # what else the run directory says
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunInfo:
     """The rest of a run directory: its settings, summary and recommendation stream."""
 
     path: Path
-    name: str
-    objective: str
-    """The column the search maximised: samples_per_s or samples_per_s_per_device."""
-    device_memory_bytes: int | None
-    """The experiment's memory budget per device (trial.device_memory); None: no budget."""
-    confidence_target: int | None
+    """The run directory."""
+    experiment: Experiment
+    """The experiment the run saved (experiment.yaml), typed and validated."""
     summary: Mapping[str, Any] | None
     """summary.json; None while the run has not finished (or was killed)."""
     recommendations: pd.DataFrame | None
     """recommendations.jsonl, one row per record; None where the run has none."""
 
+    @property
+    def name(self) -> str:
+        """The experiment's name."""
+        return self.experiment.name
+
+    @property
+    def objective(self) -> str:
+        """The column the search maximised: samples_per_s or samples_per_s_per_device."""
+        return self.experiment.search.objective
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """The memory budget per device (trial.device_memory); None: no budget."""
+        return self.experiment.trial.device_memory
+
+    @property
+    def confidence_target(self) -> int:
+        """The confidence score at which the search stops."""
+        return self.experiment.search.confidence_target
+
 
 def run_info(run_dir: str | Path) -> RunInfo:
+    """The rest of the run in ``run_dir``: its experiment, summary and recommendations."""
     run = RunDir.open(run_dir)
-    exp = _experiment(run)
-    search, trial = exp.get("search") or {}, exp.get("trial") or {}
-    memory = trial.get("device_memory")
-    target = search.get("confidence_target")
     return RunInfo(
         path=run.path,
-        name=str(exp.get("name") or run.path.name),
-        objective=str(search.get("objective") or "samples_per_s"),
-        device_memory_bytes=memory if isinstance(memory, int) and memory > 0 else None,
-        confidence_target=target if isinstance(target, int) else None,
+        experiment=_experiment(run),
         summary=_summary(run),
         recommendations=load_recommendations(run.path),
     )

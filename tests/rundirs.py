@@ -15,7 +15,7 @@ EXPERIMENT = {
     "train_input": {"batch_size": 32, "micro_batch_size": "auto", "num_devices": 1,
                     "pipeline_stages": 1},
     "search": {"objective": "samples_per_s", "confidence_target": 90},
-    "trial": {"backend": "replay", "device_memory": 512 * 2**20},
+    "trial": {"device_memory": 512 * 2**20},
 }  # fmt: skip
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -330,3 +330,21 @@ def test_every_trial_result_field_is_a_column_of_trials_csv():
 
     fields = {f.name for f in dataclasses.fields(TrialResult)}
     assert fields <= set(TRIAL_COLUMNS)
+
+
+def test_run_info_reads_the_typed_experiment_the_run_saved(tmp_path):
+    path = make_run(tmp_path, FINISHED_ROWS)
+    info = analysis.run_info(path)
+    assert info.experiment.train_input.batch_size == 32
+    assert (info.name, info.objective, info.device_memory_bytes, info.confidence_target) == (
+        "handmade", "samples_per_s", 512 * 2**20, 90
+    )  # fmt: skip
+    (path / "experiment.yaml").write_text("name: x\nmodel: mlp\ntrain_input: {batch_size: 0}\n")
+    with pytest.raises(
+        MbtuneError,
+        match=r"^RUN_DIR: cannot read .*experiment\.yaml: train_input\.batch_size: 0 is out of "
+        r"range; expected a whole number from 1 to \d+$",
+    ):
+        analysis.run_info(path)
+    with pytest.raises(MbtuneError, match=r"^RUN_DIR: cannot read .*experiment\.yaml: "):
+        load_run(path)
