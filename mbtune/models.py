@@ -50,7 +50,7 @@ from mbtune.model_spec import Batch, ModelSpec, batch_mixing_reason
 from mbtune.user_models import USER_MODEL_NAMES, build_user_model
 
 if TYPE_CHECKING:
-    from mbtune.config import ModelConfig
+    from mbtune.schema import ModelConfig
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -199,9 +199,9 @@ def build_model(
 def build_from_config(
     model: ModelConfig, *, seed: int = 0, activation_checkpointing: bool = False
 ) -> ModelSpec:
-    """`build_model` for an Experiment's model (its `ModelConfig`: `name` and `options`),
-    whose name and options the config has checked already: a built-in's options are
-    overlaid on its defaults without being checked again."""
+    """`build_model` for an Experiment's model, whose name and options its `ModelConfig`
+    checked when it was made: a built-in's options are overlaid on its defaults without
+    being checked again."""
     options = model.options
     if model.name in BUILTIN_MODELS:
         defaults = MODEL_OPTIONS[model.name]
