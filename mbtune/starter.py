@@ -14,6 +14,7 @@ import yaml
 
 from mbtune.errors import MbtuneError
 from mbtune.model_options import HF_PREFIX, HF_TASKS, MODEL_OPTIONS
+from mbtune.schema import SAMPLERS
 
 __all__ = ["DEVICES", "MODES", "starter_text", "write_starter"]
 
@@ -52,7 +53,7 @@ def starter_text(
         _line("    num_devices: [1, 2]", "a list or {min, max}; see trial.parallel"),
         *([] if mode == "none" else ["    micro_batch_size: {min: 1, max: 32}"]),
         _line("    # batch_size: {min: 32, max: 256}", "free B: every B = n x m x g in range"),
-        _line("  sampler: model", "model, tpe, gp, random, grid, halving, doubling"),
+        _line("  sampler: model", ", ".join(["model", *(s for s in SAMPLERS if s != "model")])),
         _line("  num_samples: 12", "at most this many trials"),
         _line("  time_budget_s: 1800", "... and at most this many seconds"),
         _line("  confidence_target: 90", "stop once 90% sure of the recommendation (100: never)"),
@@ -86,7 +87,7 @@ def _line(text: str, comment: str) -> str:
 def _model_lines(model: str) -> list[str]:
     if model in MODEL_OPTIONS:
         return [
-            _line("model:", "gpt, mlp, cnn_bn, hf:<model_type> or module:function"),
+            _line("model:", f"{', '.join(MODEL_OPTIONS)}, hf:<model_type> or module:function"),
             f"  name: {model}",
             *(f"  {key}: {value}" for key, value in MODEL_OPTIONS[model].items()),
         ]
