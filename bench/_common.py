@@ -22,7 +22,12 @@ ROOT = BENCH.parent
 RESULTS = BENCH / "results"
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 MBTUNE = Path(sys.executable).with_name("mbtune")
-EXHAUSTIVE_GRID = ("search.sampler=grid", "search.num_samples=100", "search.confidence_target=100")
+EXHAUSTIVE_GRID = (
+    "search.sampler=grid",
+    "search.num_samples=100",
+    "search.confidence_target=100",
+    "search.max_repeats=1",
+)
 """Overrides that make a search measure every configuration of its space once, and never
 stop early on its confidence score."""
 

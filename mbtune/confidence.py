@@ -67,7 +67,7 @@ MAX_SCORE = 99
 DEFAULT_NOISE = 0.03
 """Relative step-time spread assumed while no trial has kept two step times."""
 
-DRIFT_PRIOR_DOF = 2
+DRIFT_PRIOR_DOF = 4
 """How many repeats' worth of evidence ``noise_floor`` counts for as the drift's prior:
 little, so that a run whose repeats disagree (a machine getting busier) or agree (a
 quiet accelerator) soon speaks for itself."""

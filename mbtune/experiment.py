@@ -134,10 +134,13 @@ class Experiment:
 
     @property
     def noise_floor(self) -> float:
-        """``search.noise_floor``, resolved for the backend (see SearchConfig)."""
+        """``search.noise_floor``, resolved for the backend (see SearchConfig): a replayed
+        table does not drift unless ``trial.drift`` says it does, and then it stands for a
+        real machine, whose drift the search does not know beforehand."""
         if self.search.noise_floor is not None:
             return self.search.noise_floor
-        return 0.0 if self.trial.backend == "replay" else DEFAULT_NOISE_FLOOR
+        exact = self.trial.backend == "replay" and not self.trial.drift
+        return 0.0 if exact else DEFAULT_NOISE_FLOOR
 
     # -- the lattice this experiment searches ------------------------------
 

@@ -56,6 +56,11 @@ COLUMNS: tuple[Column, ...] = (
         "whether the blocks' activations were recomputed in the backward pass (false in runs "
         "from before it was recorded)",
     ),
+    Column(
+        "repeat", "int", "",
+        "0 for a configuration's first measurement in the run, 1, 2, ... for the search's "
+        "further looks at it (0 in runs from before repeats)",
+    ),
     Column("per_device_batch", "int", "samples", "P = ceil(B / n)"),
     Column("grad_accum_steps", "int", "passes", "g = ceil(P / m)"),
     Column(

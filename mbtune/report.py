@@ -152,6 +152,7 @@ def summary_lines(rows: Sequence[Row], summary: Mapping[str, Any], run_path: Pat
         f"{summary['speedup_over_base']:.2f}x base{user}, confidence score "
         f"{summary['confidence']} (out of 100)"
     )
+    lines.append(_measurements_line(summary))
     if summary["recommended_batch_size"] != best["batch_size"]:
         lines.append(
             f"  the valid batch_size nearest yours for this micro_batch_size and num_devices: "
@@ -161,6 +162,25 @@ def summary_lines(rows: Sequence[Row], summary: Mapping[str, Any], run_path: Pat
     lines.append("best configurations:")
     lines += _top_table(summary["top"])
     return lines
+
+
+def _measurements_line(summary: Mapping[str, Any]) -> str:
+    """How often the recommendation was measured, and the drift between trials the score
+    allowed for: estimated from the run's repeats, or its prior."""
+    looks = summary["recommended"].get("measurements") or 1
+    times = "once" if looks == 1 else "twice" if looks == 2 else f"{looks} times"
+    why = f" ({summary['measured_once_because']})" if summary.get("measured_once_because") else ""
+    drift = summary.get("drift")
+    if not drift:
+        return f"  measured {times}{why}"
+    if drift["repeats"]:
+        learnt = (
+            f"{drift['relative']:.1%}, estimated from {_plural(drift['repeats'], 'repeat')} "
+            f"(prior {drift['prior']:.1%})"
+        )
+    else:
+        learnt = f"{drift['prior']:.1%} assumed (search.noise_floor): nothing was measured twice"
+    return f"  measured {times}{why}; drift between trials {learnt}"
 
 
 def _break_even_line(b: Mapping[str, Any]) -> str:

@@ -154,6 +154,7 @@ def _typed_frame(
         "per_device_batch": per_device,
         "grad_accum_steps": numbers["grad_accum_steps"].fillna(-(-per_device // m)),
         "pipeline_stages": numbers["pipeline_stages"].fillna(pipeline_stages),
+        "repeat": numbers["repeat"].fillna(0),  # older runs measured each configuration once
     }
     columns: dict[str, Any] = {}
     for name in COLUMNS:

@@ -331,9 +331,11 @@ class SearchConfig:
     """Stop once the confidence score reaches this (1..99; 100, which the score never
     reaches, never stops on confidence)."""
     noise_floor: float | None = number(None, minimum=0.0, maximum=1.0)
-    """Relative run-to-run drift of a measurement that its own step times cannot show
-    (0.02 = 2%); None: 0.035 for real trials (DEFAULT_NOISE_FLOOR says where from), 0 for
-    replayed ones, whose only noise is in their step times."""
+    """The prior of the relative run-to-run drift of a measurement that its own step times
+    cannot show (0.02 = 2%); the search estimates the drift from its repeats and this
+    counts as two of them. None: 0.035 for real trials and replays with ``trial.drift``
+    (DEFAULT_NOISE_FLOOR says where from), 0 for other replays, whose only noise is in their
+    step times. 0 also lets the search stop on one measurement of its leader."""
     seed: int = number(0, minimum=0)
     """Seeds the sampler (and a replay's noise)."""
     max_repeats: int = number(3)

@@ -30,7 +30,7 @@ from mbtune.report import summary_lines
 from mbtune.reporter import Reporter
 from mbtune.rundir import RunDir
 from mbtune.search._ledger import ConfidenceStop, TrialLog, TrialProgress, head_lost, print_line
-from mbtune.search._searcher import make_searcher, pack_result, settled
+from mbtune.search._searcher import make_searcher, one_look_reason, pack_result, settled
 from mbtune.search._signals import graceful_stop
 from mbtune.trial import TrialRequest
 
@@ -160,6 +160,10 @@ def _fit(
     confident = bool(history) and _settled(exp, reporter, rows, history[-1])
     status = "interrupted" if interrupted else "confident" if confident else "finished"
     summary = reporter.summary(rows, status, history)
+    if summary["recommended"] and summary["recommended"]["measurements"] == 1:
+        s = exp.search
+        reason = one_look_reason(max_repeats=s.max_repeats, noise_floor=exp.noise_floor)
+        summary["measured_once_because"] = reason or "the search ended before a second look"
     run.write_json("summary.json", summary)
     if status == "confident":
         echo(f"mbtune: stopping: the confidence score reached its target {target}")

@@ -134,15 +134,17 @@ def another_look(
         ):
             return leader, "re-measuring the leader before stopping"
         return None
-    rivals = [c for c in a.threat if c != leader and a.looks.get(c, 0)]
-    rival = max(rivals, key=a.threat.__getitem__, default=None)
-    if rival is None or a.threat[rival] < max(MATERIAL, new_threat or 0.0):
-        return None
-    pair = [c for c in (leader, rival) if can(c)]
-    if not pair:
-        return None
-    pick = min(pair, key=lambda c: a.looks.get(c, 0))  # stable: the leader on a tie
-    return pick, "re-measuring the leader" if pick == leader else "re-measuring a close rival"
+    floor = max(MATERIAL, new_threat or 0.0)
+    rivals = [c for c in a.threat if c != leader and a.looks.get(c, 0) and a.threat[c] >= floor]
+    for rival in sorted(rivals, key=a.threat.__getitem__, reverse=True):
+        pair = [c for c in (leader, rival) if can(c)]
+        if pair:  # the one of the two measured fewer times; the leader on a tie
+            pick = min(pair, key=lambda c: a.looks.get(c, 0))
+            return (
+                pick,
+                "re-measuring the leader" if pick == leader else "re-measuring a close rival",
+            )
+    return None
 
 
 _SETTINGS = ("inner", "model", "target", "max_repeats", "ledger", "announce", "points")
