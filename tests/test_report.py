@@ -113,6 +113,7 @@ def test_the_summary_of_a_search():
         "mbtune: 2 trials finished (1 not ok); results in runs/x",
         "recommended: micro_batch_size 8, num_devices 2, batch_size 32 (grad_accum_steps 2): "
         "672.7 samples/s, 1.25x base, confidence score 95 (out of 100)",
+        "  measured once",
         "  it compiles 2.0 s slower than micro_batch_size 16 on 2 device(s), and pays off "
         "after 1,234 training steps",
         "best configurations:",
