@@ -383,7 +383,9 @@ def trial_config(
             raise
         raise ConfigError(flag, e.rule) from None
     assert own.config is not None  # an int m or none: the mode fixes m
-    return dataclasses.replace(own.config, activation_checkpointing=exp.trial.activation_checkpointing)
+    return dataclasses.replace(
+        own.config, activation_checkpointing=exp.trial.activation_checkpointing
+    )
 
 
 if __name__ == "__main__":

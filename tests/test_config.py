@@ -1,19 +1,31 @@
 """The experiment config: every key parsed, every bad input a one-line ConfigError."""
 
+import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 
 from mbtune.config import (
     ConfigError,
+    Experiment,
     IntRange,
+    ModelConfig,
+    RayConfig,
+    SearchConfig,
+    SpaceConfig,
+    TrainInput,
+    TrialConfig,
     apply_overrides,
     load_experiment,
+    load_run_experiment,
     parse_experiment,
     parse_memory,
 )
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.rundir import RunDir
+from mbtune.schema import DEFAULT_SPACE, StartPoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -338,3 +350,252 @@ run_search(exp, echo=lambda line: None)
 assert 'torch' not in sys.modules, 'torch was imported'
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+# -- the dataclasses refuse what the YAML refuses, with the same message ---------
+
+
+def exp(**sections):
+    """An Experiment built in code (mlp, B = 32), with ``sections`` replaced."""
+    base = {"name": "t", "model": ModelConfig(name="mlp"), "train_input": TrainInput(batch_size=32)}
+    return Experiment(**{**base, **sections})
+
+
+DDP = TrialConfig(parallel="ddp")
+
+# (a class, the keywords that break one of its rules): one line per rule
+RULES = [
+    (TrainInput, dict(batch_size=0)),
+    (TrainInput, dict(batch_size="64")),
+    (TrainInput, dict(batch_size=8, num_devices=0)),
+    (TrainInput, dict(batch_size=2, num_devices=4)),
+    (TrainInput, dict(batch_size=30, num_devices=4)),
+    (TrainInput, dict(batch_size=16, micro_batch_size=3)),
+    (TrainInput, dict(batch_size=8, micro_batch_size=16)),
+    (TrainInput, dict(batch_size=8, micro_batch_size="most")),
+    (TrainInput, dict(batch_size=8, allow_uneven="yes")),
+    (TrainInput, dict(batch_size=8, pipeline_stages=0)),
+    (TrainInput, dict(batch_size=64, micro_batch_size="explore", pipeline_stages=2)),
+    (
+        TrainInput,
+        dict(
+            batch_size=65, num_devices=2, micro_batch_size=4, allow_uneven=True, pipeline_stages=2
+        ),
+    ),
+    (ModelConfig, dict(name="")),
+    (ModelConfig, dict(name="gtp")),
+    (ModelConfig, dict(name="mlp", options={"hiden": 3})),
+    (ModelConfig, dict(name="gpt", options={"d_model": 130})),
+    (ModelConfig, dict(name="hf:gpt2", options={"task": "chat"})),
+    (ModelConfig, dict(name="m:f", options={"checkpoint_blocks": 3})),
+    (IntRange, dict(min=8, max=2)),
+    (IntRange, dict(min=0, max=2)),
+    (IntRange, dict(min=1, max=10**6)),
+    (SpaceConfig, dict(num_devices=())),
+    (SpaceConfig, dict(num_devices=(0, 1))),
+    (SpaceConfig, dict(micro_batch_size="all")),
+    (SpaceConfig, dict(batch_size="all")),
+    (SpaceConfig, dict(activation_checkpointing=())),
+    (SearchConfig, dict(sampler="bogus")),
+    (SearchConfig, dict(objective="speed")),
+    (SearchConfig, dict(num_samples=0)),
+    (SearchConfig, dict(time_budget_s=-1)),
+    (SearchConfig, dict(confidence_target=101)),
+    (SearchConfig, dict(noise_floor=2)),
+    (SearchConfig, dict(seed=-1)),
+    (SearchConfig, dict(max_repeats=0)),
+    (StartPoint, dict(batch_size=1, num_devices=2, micro_batch_size=1)),
+    (StartPoint, dict(batch_size=32, micro_batch_size=0)),
+    (TrialConfig, dict(backend="nonsense")),
+    (TrialConfig, dict(table=Path("a\0b"))),
+    (TrialConfig, dict(noise=1.5)),
+    (TrialConfig, dict(drift=1.0)),
+    (TrialConfig, dict(drift=0.03)),
+    (TrialConfig, dict(device="tpu")),
+    (TrialConfig, dict(parallel="fsdp")),
+    (TrialConfig, dict(compile="yes")),
+    (TrialConfig, dict(compile_mode="fast")),
+    (TrialConfig, dict(dynamic=1)),
+    (TrialConfig, dict(warmup_steps=-1)),
+    (TrialConfig, dict(measure_steps=0)),
+    (TrialConfig, dict(eval="no")),
+    (TrialConfig, dict(device_memory=0)),
+    (TrialConfig, dict(device_memory=2**61)),
+    (TrialConfig, dict(on_oom="retry")),
+    (TrialConfig, dict(link_bandwidth=True)),
+    (TrialConfig, dict(link_latency_us=-1)),
+    (TrialConfig, dict(precision="fp8")),
+    (TrialConfig, dict(precision="fp16", device="cpu")),
+    (TrialConfig, dict(activation_checkpointing="on")),
+    (TrialConfig, dict(peak_tflops=0)),
+    (TrialConfig, dict(memory_headroom=0.995)),
+    (TrialConfig, dict(timeout_s=0.5)),
+    (RayConfig, dict(address="")),
+    (RayConfig, dict(dashboard="on")),
+    (RayConfig, dict(cpus_per_trial=-1)),
+    (RayConfig, dict(gpus_per_trial=-1)),
+    (RayConfig, dict(max_concurrent_trials=0)),
+    (Experiment, dict(name="a b")),
+    (Experiment, dict(output_dir=Path("a\0b"))),
+    (Experiment, dict(trial=TrialConfig(backend="replay"))),
+    (Experiment, dict(trial=DDP, train_input=TrainInput(batch_size=32, pipeline_stages=2))),
+    (Experiment, dict(trial=TrialConfig(parallel="ddp", backend="replay", table=Path("t")))),
+    (Experiment, dict(trial=TrialConfig(parallel="ddp", device="cuda"))),
+    (Experiment, dict(trial=DDP, ray=RayConfig(cpus_per_trial=0))),
+    (Experiment, dict(trial=DDP, ray=RayConfig(gpus_per_trial=0.5))),
+    (Experiment, dict(search=SearchConfig(space=SpaceConfig(num_devices=(64,))))),
+    (Experiment, dict(search=SearchConfig(start_points=(BatchConfig(32, 1, 5),)))),
+]
+SECTIONS = {
+    TrainInput: ["train_input"], SearchConfig: ["search"], TrialConfig: ["trial"],
+    RayConfig: ["ray"], SpaceConfig: ["search", "space"], ModelConfig: ["model"],
+    StartPoint: ["search", "start_points", 0], IntRange: ["search", "space", "micro_batch_size"],
+}  # fmt: skip
+"""Where the YAML holds each class."""
+
+
+def as_yaml(value):
+    """A value built in code as YAML spells it (a dataclass: the fields it sets)."""
+    if isinstance(value, ModelConfig):
+        return {"name": value.name, **value.options}
+    if dataclasses.is_dataclass(value):
+        return {f.name: as_yaml(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not is_default(f, getattr(value, f.name))}  # fmt: skip
+    if isinstance(value, dict):
+        return {k: as_yaml(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [as_yaml(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def is_default(f: dataclasses.Field, value) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
+
+
+def from_yaml(cls, keywords):
+    """The experiment whose YAML holds ``cls(**keywords)`` in its place."""
+    if cls is Experiment:
+        return make(**as_yaml(keywords))
+    if cls is ModelConfig:
+        return make(model={"name": keywords["name"], **keywords.get("options", {})})
+    value = as_yaml(keywords)
+    for key in reversed(SECTIONS[cls]):
+        value = [value] if key == 0 else {key: value}
+    return make(**value)
+
+
+def error_of(build) -> MbtuneError:
+    with pytest.raises(MbtuneError) as info:
+        build()
+    return info.value
+
+
+@pytest.mark.parametrize(("cls", "keywords"), RULES)
+def test_the_dataclasses_refuse_what_the_yaml_refuses_with_the_same_message(cls, keywords):
+    in_yaml = error_of(lambda: from_yaml(cls, keywords))
+    in_code = error_of(lambda: (exp if cls is Experiment else cls)(**keywords))
+    if isinstance(in_code, ConfigError) and in_code.where != in_yaml.where:
+        # a value that knows no section (an IntRange, a start point): placed under its field
+        assert in_yaml.where.endswith(in_code.where) and in_yaml.rule == in_code.rule
+    else:
+        assert str(in_yaml) == str(in_code)
+    assert "\n" not in str(in_code)
+
+
+def test_every_field_has_a_rule_above():
+    """A field added without a line in RULES fails here."""
+    named = {str(error_of(lambda r=r: from_yaml(*r))).split(":")[0] for r in RULES}
+    missing = []
+    for cls, prefix in [(TrainInput, "train_input"), (SearchConfig, "search"),
+                        (SpaceConfig, "search.space"), (TrialConfig, "trial"), (RayConfig, "ray"),
+                        (ModelConfig, "model"), (Experiment, "")]:  # fmt: skip
+        for f in dataclasses.fields(cls):
+            if f.name in ("source", "space", "options", "model", "train_input", "search", "trial",
+                          "ray"):  # fmt: skip
+                continue
+            where = f"{prefix}.{f.name}" if prefix else f.name
+            missing += [where] * (not any(n == where or n.startswith((f"{where}[", f"{where}."))
+                                          for n in named))  # fmt: skip
+    assert not missing
+
+
+def test_the_default_space_is_search_spaces_default_yaml():
+    named = make(search={"space": "default"}).search.space
+    assert named == DEFAULT_SPACE == SearchConfig().space == make().search.space
+
+
+@pytest.fixture
+def with_files(tmp_path):
+    """An experiment file with a replay table, a space file and a user model."""
+    (tmp_path / "table.csv").write_text(
+        "batch_size,num_devices,micro_batch_size,samples_per_s\n32,1,8,100\n32,1,16,120\n"
+    )
+    (tmp_path / "space.yaml").write_text("micro_batch_size: [8, 16]\n")
+    path = tmp_path / "e.yaml"
+    path.write_text(
+        "model: {name: my_models.wide:build, width: 4}\ntrain_input: {batch_size: 32}\n"
+        "search: {space: space.yaml, max_repeats: 2}\n"
+        "trial: {backend: replay, table: table.csv, drift: 0.02}\n"
+    )
+    return path
+
+
+def test_an_experiment_pickles(with_files):
+    exp = load_experiment(with_files)
+    assert pickle.loads(pickle.dumps(exp)) == exp
+
+
+def test_a_run_directory_s_experiment_reads_typed_without_its_files(with_files, tmp_path):
+    exp = load_experiment(with_files)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_experiment(exp.to_dict())
+    (tmp_path / "table.csv").unlink()  # gone: reading the run opens no file it names
+    saved = load_run_experiment(run.path)
+    assert (saved.model, saved.train_input, saved.trial, saved.ray) == (
+        exp.model, exp.train_input, exp.trial, exp.ray
+    )  # fmt: skip
+    assert saved.configs() == exp.configs() and saved.search.max_repeats == 2
+    with pytest.raises(MbtuneError, match=r"^RUN_DIR: .* is not an mbtune run directory"):
+        load_run_experiment(tmp_path)
+
+
+# -- mbtune trial's flags: train_input's rules, naming the flag ------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((None, None, None), BatchConfig(32, 1, 32)),
+        ((64, 2, 8), BatchConfig(64, 2, 8)),
+        ((None, None, 4), BatchConfig(32, 1, 4)),
+        ((0, None, None), r"^--batch-size: 0 is out of range; expected a whole number from 1"),
+        ((None, 0, None), r"^--num-devices: 0 is out of range"),
+        ((None, 64, None), r"^train_input\.batch_size: batch_size 32 is smaller than "
+                           r"num_devices 64: .*; valid num_devices for batch_size 32: 1, 2, 4"),
+        ((None, None, 3), r"^--micro-batch-size: micro_batch_size 3 does not divide the "
+                          r"per-device batch 32 .*valid micro_batch_size for batch_size 32: 1, "
+                          r"2, 4, 8, 16, 32 \(or set allow_uneven: true\)$"),
+        ((None, None, 64), r"^--micro-batch-size: micro_batch_size 64 exceeds the per-device "
+                           r"batch 32"),
+    ],
+)  # fmt: skip
+def test_trial_flags_are_held_to_train_input_s_rules(flags, expected):
+    from mbtune.cli import trial_config
+
+    exp = make()
+    if isinstance(expected, BatchConfig):
+        assert trial_config(exp, *flags) == expected
+    else:
+        with pytest.raises(ConfigError, match=expected):
+            trial_config(exp, *flags)
+
+
+def test_trial_flags_may_split_unevenly_where_the_experiment_explores():
+    from mbtune.cli import trial_config
+
+    exp = make(train_input={"batch_size": 30, "micro_batch_size": "explore"})
+    assert trial_config(exp, None, 4, 3) == BatchConfig(30, 4, 3)
+    assert trial_config(exp, None, 4, None) == BatchConfig(30, 4, 8)
