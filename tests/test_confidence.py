@@ -145,3 +145,35 @@ def test_devices_in_between_could_peak_when_only_the_ends_are_measured():
     curve = [*ends, ok(BatchConfig(256, 2, 32), 1200.0, seed=2),
              ok(BatchConfig(256, 4, 32), 1350.0, seed=4)]  # fmt: skip
     assert assess(points, curve).confidence >= 90
+
+
+def test_the_drift_between_trials_is_learnt_from_repeats_with_the_floor_as_prior():
+    from mbtune.confidence import DRIFT_PRIOR_DOF, between_trial_drift
+
+    rng = random.Random(7)
+    configs = [c(m) for m in (1, 2, 4, 8, 16, 32)]
+    # six configurations measured four times each, each trial off by a 5% drift
+    drifting = [ok(x, 100.0 * (1 + 0.05 * rng.gauss(0, 1)), seed=i)
+                for i, x in enumerate(configs * 4)]  # fmt: skip
+    spread, _ = relative_step_noise(drifting)
+    drift, dof = between_trial_drift(drifting, spread, prior=0.035)
+    assert dof == 6 * 3
+    assert drift == pytest.approx(0.05, rel=0.3)
+    # repeats that agree pull the estimate below the prior; none leave the prior alone
+    steady = [ok(x, 100.0, seed=i) for i, x in enumerate(configs * 4)]
+    low, _ = between_trial_drift(steady, spread, prior=0.035)
+    assert low == pytest.approx(0.035 * (DRIFT_PRIOR_DOF / (DRIFT_PRIOR_DOF + 18)) ** 0.5, rel=0.1)
+    assert between_trial_drift(steady[:6], spread, prior=0.035) == (0.035, 0)
+
+
+def test_repeats_are_pooled_and_a_leader_seen_once_at_a_quiet_moment_is_doubted():
+    # the first trial of m = 32 ran at a quiet moment (+40%); measured again, it is not
+    # the best, and the spread of its two looks makes the model doubt close calls
+    speeds = {1: 200, 2: 350, 4: 550, 8: 700, 16: 800, 32: 820, 64: 700}
+    once = [ok(c(m), v * (1.4 if m == 32 else 1), seed=m) for m, v in speeds.items()]
+    before = assess(POINTS, once, noise_floor=0.035)
+    assert before.recommended == c(32) and before.looks[c(32)] == 1
+    after = assess(POINTS, [*once, ok(c(32), 820, seed=99)], noise_floor=0.035)
+    assert after.looks[c(32)] == 2 and after.drift > 0.1  # learnt from the two looks
+    assert after.value == pytest.approx((820 * 1.4 * 820) ** 0.5)  # both looks, pooled
+    assert after.confidence < before.confidence

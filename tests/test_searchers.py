@@ -196,3 +196,82 @@ def test_a_restored_searcher_learns_what_finished_after_its_last_save(tmp_path):
     restored.restore(path)  # ...and the driver was killed before the next save
     rest = drive(restored, speed)
     assert sorted(rest) == sorted(POINTS[2:])  # neither measured again
+
+
+# ---------------------------------------------------------------------------
+# another look (re-measurement)
+
+
+def assessment(confidence, looks, threat, leader=BatchConfig(32, 2, 8)):
+    from mbtune.confidence import Assessment
+
+    return Assessment(leader, 1.0, confidence, confidence / 100, 11, 0,
+                      threat=threat, looks=looks)  # fmt: skip
+
+
+RIVAL, OTHER = BatchConfig(32, 2, 4), BatchConfig(32, 1, 8)
+RULE = {"target": 90, "max_repeats": 3, "noise_floor": 0.035, "busy": set()}
+
+
+def test_the_leader_is_measured_twice_before_the_search_stops_on_its_target():
+    from mbtune.search import another_look, settled
+
+    leader = BatchConfig(32, 2, 8)
+    once = assessment(95, {leader: 1, RIVAL: 1}, {RIVAL: 0.01})
+    assert another_look(once, **RULE, new_threat=0.0) == (
+        leader, "re-measuring the leader before stopping"
+    )  # fmt: skip
+    assert not settled(95, 1, target=90, max_repeats=3, noise_floor=0.035)
+    twice = assessment(95, {leader: 2, RIVAL: 1}, {RIVAL: 0.01})
+    assert another_look(twice, **RULE, new_threat=0.0) is None
+    assert settled(95, 2, target=90, max_repeats=3, noise_floor=0.035)
+    # once is enough where the user says so, with the reason
+    assert settled(95, 1, target=90, max_repeats=1, noise_floor=0.035)
+    assert settled(95, 1, target=90, max_repeats=3, noise_floor=0.0)
+    assert another_look(once, **{**RULE, "noise_floor": 0.0}, new_threat=0.0) is None
+    assert not settled(89, 5, target=90, max_repeats=3, noise_floor=0.035)
+
+
+def test_below_the_target_a_close_rival_is_looked_at_again_where_it_beats_anything_new():
+    from mbtune.search import another_look
+
+    leader = BatchConfig(32, 2, 8)
+    a = assessment(70, {leader: 2, RIVAL: 1, OTHER: 1}, {RIVAL: 0.2, OTHER: 0.05})
+    # the rival, measured less often than the leader, threatens it more than a new point
+    assert another_look(a, **RULE, new_threat=0.1) == (RIVAL, "re-measuring a close rival")
+    assert another_look(a, **RULE, new_threat=0.3) is None  # something new is worth more
+    assert another_look(a, **RULE, new_threat=None)[0] == RIVAL  # nothing new to measure
+    # on a tie of looks, the leader; a rival at max_repeats leaves the next rival's pair
+    tie = assessment(70, {leader: 1, RIVAL: 1}, {RIVAL: 0.2})
+    assert another_look(tie, **RULE, new_threat=None)[0] == leader
+    full = assessment(70, {leader: 3, RIVAL: 3, OTHER: 1}, {RIVAL: 0.2, OTHER: 0.05})
+    assert another_look(full, **RULE, new_threat=None)[0] == OTHER
+    # immaterial threats and running configurations are never looked at again
+    calm = assessment(70, {leader: 1, RIVAL: 1}, {RIVAL: 0.005})
+    assert another_look(calm, **RULE, new_threat=None) is None
+    busy = {**RULE, "busy": {leader, RIVAL}}
+    assert another_look(tie, **busy, new_threat=None) is None
+
+
+def test_a_repeat_is_a_fresh_trial_numbered_by_its_configuration():
+    # a close call on two configurations, a drift prior, and a target never reached: the model
+    # sampler measures both, then looks again at the pair, each repeat numbered, until
+    # max_repeats, and then the search is finished
+    points = [BatchConfig(32, 1, 8), BatchConfig(32, 1, 16)]
+    true = {points[0]: 100.0, points[1]: 101.0}
+    searcher = make_searcher("model", points, seed=0, noise_floor=0.035, max_repeats=3,
+                             target=100)  # fmt: skip
+    seen = []
+    for i in range(12):
+        params = searcher.suggest(f"t{i}")
+        if params == Searcher.FINISHED:
+            break
+        c = BatchConfig.from_mapping(params)
+        seen.append((c.micro_batch_size, params["repeat"]))
+        value = true[c]
+        steps = [1e3 * c.batch_size / value] * 5
+        searcher.on_trial_complete(f"t{i}", {METRIC: value, "status": "ok", **params,
+                                             "step_times_ms": steps})  # fmt: skip
+    assert sorted(seen) == [(8, 0), (8, 1), (8, 2), (16, 0), (16, 1), (16, 2)]
+    assert params == Searcher.FINISHED
+    assert searcher.assessment().looks == {points[0]: 3, points[1]: 3}
