@@ -39,6 +39,8 @@ on a shared 2-core CPU; a dedicated accelerator may drift less (set search.noise
 
 @dataclass(frozen=True, kw_only=True)
 class Experiment:
+    """One experiment: the sections, and the rules between them (checked when built)."""
+
     name: str
     """Names the run directory: letters, digits, '_', '-', '.' (1-100); YAML: the file's
     name where the file gives none."""

@@ -101,6 +101,8 @@ def lattice_rule(where: str) -> Iterator[None]:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """The model a trial builds: ``model:``."""
+
     name: str
     """``gpt``, ``mlp``, ``cnn_bn``, ``hf:<model_type>`` for a Hugging Face transformers
     model, or ``package.module:function`` for a user model."""
@@ -304,8 +306,8 @@ class StartPoint:
 
     def __post_init__(self) -> None:
         check_fields(self, "")
-        with lattice_rule(""):
-            self.config  # noqa: B018 (BatchConfig's own rules: B >= n)
+        with lattice_rule(""):  # BatchConfig's own rules: B >= n
+            BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
 
     @property
     def config(self) -> BatchConfig:
@@ -316,6 +318,8 @@ class StartPoint:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchConfig:
+    """How to search: ``search:``."""
+
     space: SpaceConfig = DEFAULT_SPACE
     """What may vary (see SpaceConfig)."""
     sampler: Sampler = "model"
@@ -355,6 +359,8 @@ class SearchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrialConfig:
+    """How one configuration is measured: ``trial:``."""
+
     backend: Backend = "torch"
     """``torch`` (measure a real model) or ``replay`` (answer from ``table``)."""
     table: Path | None = None
@@ -442,6 +448,8 @@ class TrialConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RayConfig:
+    """Where trials run: ``ray:``."""
+
     address: str | None = None
     """None: start an embedded local Ray (or join RAY_ADDRESS, as ray.init does); ``auto``
     or ``host:port`` (the head's GCS port): join a cluster. ``ray://`` is refused."""
