@@ -110,6 +110,16 @@ def test_every_module_is_on_the_design_map():
     assert not missing, f"modules missing from docs/design.md's module map: {missing}"
 
 
+def test_every_module_is_named_in_the_readme():
+    """The README's "Working on mbtune" names each module (a package's private modules by
+    their own names), for the newcomer who starts there."""
+    section = (ROOT / "README.md").read_text().split("## Working on mbtune", 1)[1]
+    prose = re.sub(r"```.*?```", "", section.split("\n## ", 1)[0], flags=re.DOTALL)
+    named = set(re.findall(r"`([^`]+)`", prose))
+    missing = [m for m in MODULES if m != "mbtune" and m.rpartition(".")[2] not in named]
+    assert not missing, f"modules the README's Working on mbtune does not name: {missing}"
+
+
 @pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_every_module_on_the_design_map_exists():
     stale = sorted(m for m in mapped_modules(DESIGN.read_text()) if f"mbtune.{m}" not in MODULES)
