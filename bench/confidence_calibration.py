@@ -41,22 +41,34 @@ from collections import defaultdict
 from _common import BENCH, machine, save
 from search_efficiency import drawn_landscapes, landscapes, replay_search
 
-from mbtune.confidence import assess, observation
+from mbtune.confidence import SearchModel, observation
+from mbtune.experiment import DEFAULT_NOISE_FLOOR
+from mbtune.search import settled
 
 TARGET = 90
+MAX_REPEATS = 3
 MIN_BIN = 30
 
 
-def search(table, sampler: str, seed: int) -> list[tuple[int, int, bool]]:
-    """(trials so far, score, right) after every trial of one search over ``table``."""
+def search(table, sampler: str, seed: int, drift: float = 0.0) -> list[tuple[int, int, bool, bool]]:
+    """(trials so far, score, right, settled) after every trial of one search over
+    ``table``. With ``drift``, each trial is off by one factor of that relative sd, the
+    search may measure a configuration again (up to twice the table's size in trials), and
+    its drift prior is the real machine's (as `trial.drift` replays it)."""
     best = max(v for v in table.values() if v)
-    points = list(table)
+    floor = DEFAULT_NOISE_FLOOR if drift else 0.0
+    model = SearchModel(tuple(sorted({c.canonical() for c in table})), floor, True, seed)
+    trials = 2 * len(table) if drift else None
     observations, out = [], []
-    for i, _, result in replay_search(table, sampler, seed):
+    for i, _, result in replay_search(table, sampler, seed, drift=drift, noise_floor=floor,
+                                      trials=trials):  # fmt: skip
         observations.append(observation(result))
-        a = assess(points, observations, seed=seed)
+        a = model.assess(observations)
         if a.recommended is not None:
-            out.append((i, a.confidence, table[a.recommended] >= 0.98 * best))
+            looks = a.looks.get(a.recommended, 0)
+            done = settled(a.confidence, looks, target=TARGET, max_repeats=MAX_REPEATS,
+                           noise_floor=floor)  # fmt: skip
+            out.append((i, a.confidence, table[a.recommended] >= 0.98 * best, done))
     return out
 
 
@@ -65,6 +77,18 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=100)
     parser.add_argument("--sampler", default="model")
     parser.add_argument("--landscapes", choices=("fixed", "drawn", "both"), default="both")
+    parser.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="each trial off by one factor of this relative sd (trial.drift)",
+    )
+    parser.add_argument(
+        "--min-bin",
+        type=int,
+        default=MIN_BIN,
+        help="readings a bin needs before it is held to the target",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     sets = {"fixed": landscapes, "drawn": drawn_landscapes}
@@ -72,14 +96,17 @@ def main() -> int:
     for kind, make in sets.items():
         if args.landscapes in (kind, "both"):
             print(f"\n=== {kind} landscapes ===")
-            results[kind] = calibrate(make(), args.sampler, args.seeds)
+            results[kind] = calibrate(make(), args.sampler, args.seeds, args.drift, args.min_bin)
     name = "confidence_calibration" + ("" if args.sampler == "model" else f"_{args.sampler}")
+    name += f"_drift{args.drift}" if args.drift else ""
     out = save(name, machine(), results)
     print(f"\nraw figures: {out.relative_to(BENCH.parent)}")
     return 0
 
 
-def calibrate(tables: dict, sampler: str, seeds: int) -> dict[str, dict]:
+def calibrate(
+    tables: dict, sampler: str, seeds: int, drift: float = 0.0, min_bin: int = MIN_BIN
+) -> dict[str, dict]:
     """The reliability table of every landscape and of them all, and where searches stop."""
     results: dict[str, dict] = {}
     everything: dict[int, list[tuple[int, bool]]] = defaultdict(list)
@@ -87,11 +114,11 @@ def calibrate(tables: dict, sampler: str, seeds: int) -> dict[str, dict]:
         bins: dict[int, list[tuple[int, bool]]] = defaultdict(list)
         stops = []
         for seed in range(seeds):
-            trace = search(table_for(seed), sampler, seed)
-            for _, score, right in trace:
+            trace = search(table_for(seed), sampler, seed, drift)
+            for _, score, right, _ in trace:
                 bins[min(score // 10, 9)].append((score, right))
                 everything[min(score // 10, 9)].append((score, right))
-            stop = next(((i, right) for i, score, right in trace if score >= TARGET), None)
+            stop = next(((i, right) for i, _, right, done in trace if done), None)
             stops.append(stop)
         reached = [s for s in stops if s]
         results[name] = {
@@ -102,9 +129,9 @@ def calibrate(tables: dict, sampler: str, seeds: int) -> dict[str, dict]:
             "stop_trials_median": statistics.median(i for i, _ in reached) if reached else None,
             "seeds": seeds,
         }
-        _print(name, results[name])
+        _print(name, results[name], min_bin)
     results["all"] = {"bins": _table(everything)}
-    _print("all landscapes", results["all"])
+    _print("all landscapes", results["all"], min_bin)
     return results
 
 
@@ -120,11 +147,11 @@ def _table(bins: dict[int, list[tuple[int, bool]]]) -> list[dict]:
     return rows
 
 
-def _print(name: str, r: dict) -> None:
+def _print(name: str, r: dict, min_bin: int) -> None:
     print(f"\n{name}" + (f": {r['size']} configurations" if "size" in r else ""))
     print(f"  {'score':>6} {'samples':>8} {'mean score':>11} {'right %':>8} {'gap':>6}")
     for row in r["bins"]:
-        flag = "" if row["samples"] < MIN_BIN or abs(row["gap"]) <= 10 else "  <- off by > 10"
+        flag = "" if row["samples"] < min_bin or abs(row["gap"]) <= 10 else "  <- off by > 10"
         print(f"  {row['bin']:>6} {row['samples']:>8} {row['mean_score']:>11.1f} "
               f"{row['right_percent']:>8.1f} {row['gap']:>+6.1f}{flag}")  # fmt: skip
     if "stop_reached" in r:

@@ -140,28 +140,36 @@ def load_table(path: Path) -> dict[BatchConfig, float | None]:
     return table
 
 
-def replayed(c: BatchConfig, true: float | None, rng: random.Random, noise: float = NOISE):
-    """What a replayed trial reports: ``STEPS`` step times with relative ``noise`` each."""
+def replayed(
+    c: BatchConfig, true: float | None, rng: random.Random, noise: float = NOISE, drift: float = 0.0
+):
+    """What a replayed trial reports: ``STEPS`` step times with relative ``noise`` each, all
+    of them off by one factor of relative sd ``drift`` (as `trial.drift` replays them)."""
     if not true:
         return {"status": "oom", METRIC: 0.0, **c.sizes()}
-    steps_ms = [c.batch_size / true * 1e3 * max(0.05, 1 + noise * rng.gauss(0, 1))
+    factor = max(0.05, 1 + drift * rng.gauss(0, 1)) if drift else 1.0
+    steps_ms = [c.batch_size / true * 1e3 * factor * max(0.05, 1 + noise * rng.gauss(0, 1))
                 for _ in range(STEPS)]  # fmt: skip
     speed = c.batch_size / statistics.median(steps_ms) * 1e3
     return {"status": "ok", METRIC: speed, "samples_per_s": speed, "step_times_ms": steps_ms,
             **c.sizes()}  # fmt: skip
 
 
-def replay_search(table, sampler: str, seed: int) -> Iterator[tuple[int, BatchConfig, dict]]:
+def replay_search(
+    table, sampler: str, seed: int, *, drift: float = 0.0, noise_floor: float = 0.0,
+    trials: int | None = None,
+) -> Iterator[tuple[int, BatchConfig, dict]]:  # fmt: skip
     """(trial number, configuration, replayed result) of every trial of one search over
-    ``table``, driven as `mbtune run` drives it: the searcher proposes, learns, proposes."""
-    searcher = make_searcher(sampler, list(table), seed=seed)
+    ``table``, driven as `mbtune run` drives it: the searcher proposes, learns, proposes.
+    ``trials``: at most this many (default: as many as the table has configurations)."""
+    searcher = make_searcher(sampler, list(table), seed=seed, noise_floor=noise_floor)
     rng = random.Random(seed)
-    for i in range(1, len(table) + 1):
+    for i in range(1, (trials or len(table)) + 1):
         params = searcher.suggest(f"t{i}")
         if params in (None, Searcher.FINISHED):
             return
         c = BatchConfig.from_mapping(params)
-        result = replayed(c, table[c], rng)
+        result = replayed(c, table[c], rng, drift=drift)
         searcher.on_trial_complete(f"t{i}", result)
         yield i, c, result
 

@@ -49,6 +49,7 @@ __all__ = [
     "recommendation",
     "no_ok_trial_message",
     "render_table",
+    "repeat_spread",
     "run_report",
     "run_info",
     "status_counts",
@@ -98,6 +99,22 @@ def best_per_config(trials: pd.DataFrame) -> pd.DataFrame:
     order = order.sort_values(["_ok", "_speed", "trial"], na_position="last", kind="stable")
     out = order.drop_duplicates(list(SIZES)).drop(columns=["_ok", "_speed"])
     return out.sort_values(list(SIZES)[::-1]).reset_index(drop=True)
+
+
+def repeat_spread(trials: pd.DataFrame) -> pd.DataFrame:
+    """The configurations measured more than once (a search's further looks at a close
+    call): how many ok measurements, their median, lowest and highest samples/s, and their
+    relative spread (sd over mean): what the drift between trials looked like."""
+    keys = [*SIZES, "activation_checkpointing"]
+    ok = trials[trials["status"].eq("ok") & trials["samples_per_s"].notna()]
+    stats = ok.groupby(keys)["samples_per_s"].agg(["count", "median", "min", "max", "mean", "std"])
+    stats = stats[stats["count"] > 1]
+    out = stats.reset_index().rename(columns={
+        "count": "measurements", "median": "samples_per_s_median", "min": "samples_per_s_min",
+        "max": "samples_per_s_max",
+    })  # fmt: skip
+    out["spread"] = out["std"] / out["mean"]
+    return out.drop(columns=["mean", "std"]).sort_values(keys).reset_index(drop=True)
 
 
 def throughput_pivot(trials: pd.DataFrame, value: str = "samples_per_s") -> pd.DataFrame:
@@ -267,6 +284,11 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
     ok = table[table["rank"].notna()]
     if len(ok):
         sections.append((f"trials, best first by {info.objective}", _ranked_view(ok, info)))
+    spread = repeat_spread(trials)
+    if len(spread):
+        view = spread.drop(columns=["activation_checkpointing"])
+        sections.append(("configurations measured more than once (the drift between trials)",
+                         view))  # fmt: skip
     failed = table[table["rank"].isna()]
     if len(failed):
         view = failed[["trial", *SIZES, "status", "reason"]]
@@ -280,6 +302,8 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
     floats = {
         "samples_per_s": ",.1f", "samples_per_s_per_device": ",.1f", "step_time_ms_median": ".2f",
         "step_time_ms_iqr": ".2f", "compile_s": ".1f", "peak_memory_mib": ",.0f",
+        "samples_per_s_median": ",.1f", "samples_per_s_min": ",.1f", "samples_per_s_max": ",.1f",
+        "spread": ".1%",
     }  # fmt: skip
     for title, view in sections:
         lines.append("")
@@ -291,6 +315,8 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
 def _ranked_view(ok: pd.DataFrame, info: RunInfo) -> pd.DataFrame:
     """The columns of the ranked table a person reads; optional ones only where measured."""
     view = ok[["rank", "trial", *SIZES, "grad_accum_steps", "samples_per_s"]].copy()
+    if ok["repeat"].gt(0).any():
+        view.insert(2, "repeat", ok["repeat"])
     if info.objective == "samples_per_s_per_device":
         view["samples_per_s_per_device"] = ok["samples_per_s_per_device"]
     view["step_time_ms_median"] = ok["step_time_ms_median"]

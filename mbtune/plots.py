@@ -64,13 +64,20 @@ def write_plots(trials: pd.DataFrame, info: RunInfo) -> tuple[list[Path], list[s
 
 
 def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
-    """samples/s against micro-batch size, one line per num_devices; the failed trials
-    marked on the axis, and the best trial starred."""
+    """samples/s against micro-batch size, one line per num_devices through each
+    configuration's median; where a configuration was measured more than once, a bar from
+    its lowest to its highest measurement; the failed trials marked on the axis, and the
+    best trial starred."""
     fig, ax = _figure()
     cells = best_per_config(trials)
+    measured = trials[trials["status"].eq("ok")]
     for color, (n, group) in zip(_colors(), cells.groupby("num_devices"), strict=False):
-        ok = group[group["status"] == "ok"].groupby("micro_batch_size")["samples_per_s"].max()
-        ax.plot(ok.index, ok.to_numpy(), "o-", color=color, label=f"num_devices {n}")
+        speeds = measured[measured["num_devices"] == n].groupby("micro_batch_size")["samples_per_s"]
+        line = speeds.median()
+        ax.plot(line.index, line.to_numpy(), "o-", color=color, label=f"num_devices {n}")
+        spread = speeds.agg(["min", "max", "count"])
+        spread = spread[spread["count"] > 1]
+        ax.vlines(spread.index, spread["min"], spread["max"], color=color, linewidth=3, alpha=0.5)
         _mark_failed(ax, group, color, y=0.0)
     _failure_legend(ax, cells["status"])
     ok = ranked_ok(trials)

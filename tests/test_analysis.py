@@ -348,3 +348,45 @@ def test_run_info_reads_the_typed_experiment_the_run_saved(tmp_path):
         analysis.run_info(path)
     with pytest.raises(MbtuneError, match=r"^RUN_DIR: cannot read .*experiment\.yaml: "):
         load_run(path)
+
+
+def test_repeats_are_shown_with_their_spread_in_the_report_and_the_plot(tmp_path):
+    rows = [
+        trial_row(32, 1, 4, 400.0),
+        trial_row(32, 1, 8, 500.0),
+        trial_row(32, 1, 8, 450.0, repeat=1),
+        trial_row(32, 1, 8, 480.0, repeat=2),
+        trial_row(32, 1, 16, 300.0),
+    ]
+    path = make_run(tmp_path, rows)
+    trials = load_run(path)
+    assert trials["repeat"].tolist() == [0, 0, 1, 2, 0]
+    spread = analysis.repeat_spread(trials)
+    assert spread[["micro_batch_size", "measurements"]].values.tolist() == [[8, 3]]
+    row = spread.iloc[0]
+    assert (row["samples_per_s_median"], row["samples_per_s_min"], row["samples_per_s_max"]) == (
+        480.0, 450.0, 500.0
+    )  # fmt: skip
+    assert row["spread"] == pytest.approx(
+        np.std([500, 450, 480], ddof=1) / np.mean([500, 450, 480])
+    )
+    report = analysis.run_report(trials, analysis.run_info(path))
+    assert "configurations measured more than once" in report and "5.3%" in report
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import LineCollection
+
+    from mbtune.plots import throughput_figure
+
+    ax = throughput_figure(trials, title="r").axes[0]
+    bars = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert [seg.tolist() for c in bars for seg in c.get_segments()] == [[[8, 450], [8, 500]]]
+    assert ax.lines[0].get_ydata().tolist() == [400.0, 480.0, 300.0]  # through the medians
+    # a run from before repeats: every trial a first measurement, no such section
+    older = make_run(tmp_path, rows[:2], name="older-20261121-194111")
+    lines = (older / "trials.csv").read_text().splitlines()
+    drop = lines[0].split(",").index("repeat")
+    (older / "trials.csv").write_text(
+        "\n".join(",".join(c for i, c in enumerate(line.split(",")) if i != drop)
+                  for line in lines) + "\n"
+    )  # fmt: skip
+    assert load_run(older)["repeat"].tolist() == [0, 0]
