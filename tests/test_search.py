@@ -8,8 +8,8 @@ import pytest
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
 from mbtune.launch import measure_in_subprocess
-from mbtune.trial import TrialRequest
 from mbtune.search import run_search
+from mbtune.trial import TrialRequest
 
 TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,status
 32,1,1,100,ok
