@@ -202,10 +202,13 @@ def test_a_restored_searcher_learns_what_finished_after_its_last_save(tmp_path):
 # another look (re-measurement)
 
 
-def assessment(confidence, looks, threat, leader=BatchConfig(32, 2, 8)):
+LEADER = BatchConfig(32, 2, 8)
+
+
+def assessment(confidence, looks, threat):
     from mbtune.confidence import Assessment
 
-    return Assessment(leader, 1.0, confidence, confidence / 100, 11, 0,
+    return Assessment(LEADER, 1.0, confidence, confidence / 100, 11, 0,
                       threat=threat, looks=looks)  # fmt: skip
 
 
