@@ -1,5 +1,7 @@
 """The model zoo a trial measures: three small built-ins, Hugging Face models and the
-user's own, all built by one function, `build_model`.
+user's own, built by `build_model` (a caller's name and options, checked) or by
+`build_from_config` (an Experiment's, which its config checked), and checked in the
+driver by `check_model`.
 
 A model is a `ModelSpec` (mbtune.model_spec): the module, a function that makes a
 synthetic batch of n samples directly on the device (a tensor, a tuple or list of
