@@ -17,8 +17,9 @@ Before each round the script waits (up to 30 s) for the shared machine to be nea
 
 Reported: the median wall time of each, their ratio (trial / bare), the median of the
 per-round ratios, and both median step times (a check that both time the same work).
-As a diagnostic, each round also times one full ``gc.collect()`` in this process: the
-trial ends with one (``mbtune.trial._release``) and the bare loop does not.
+As a diagnostic, each round also times one full ``gc.collect()`` in this process: a CUDA
+trial ends with one (``mbtune.memory.release``; a CPU trial's process ends instead) and
+the bare loop does not.
 
 Target: trial wall time <= 1.2x the bare loop (compile off, so there is no compile time
 to set aside).

@@ -10,17 +10,17 @@ samples along dimension 0:
 A micro-batch has the form of the batch it was cut from: a bare tensor stays a bare
 tensor, a dict stays a dict (what ``module(**batch)`` expects), a tuple stays a tuple.
 
-Pure Python: no torch import (the search driver imports the trial module, whose
-split_batch cuts micro-batches with slice_batch); a tensor is whatever is neither a
-mapping nor a tuple or list.
+Pure Python: no torch import (the search driver imports the trial module, and through
+it this one); a tensor is whatever is neither a mapping nor a tuple or list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["batch_tensors", "num_samples", "slice_batch"]
+__all__ = ["batch_tensors", "num_samples", "slice_batch", "split_batch"]
 
 
 def batch_tensors(batch: Any) -> list[Any]:
@@ -57,3 +57,10 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
             return type(batch)(*rows)
         return type(batch)(rows)
     return batch[start:stop]
+
+
+def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    """Consecutive micro-batches of the given sizes, each in the form of ``batch``: views of
+    ``batch``, no copies."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [slice_batch(batch, a, b) for a, b in itertools.pairwise(bounds)]

@@ -18,7 +18,9 @@ from mbtune import ddp
 from mbtune.cli import main
 from mbtune.config import parse_experiment
 from mbtune.lattice import BatchConfig
+from mbtune.measure import rank_micro_batches, synced_step
 from mbtune.search import run_search, trial_resources
+from mbtune.trial import run_trial
 
 # -- the DDP step: gradients ------------------------------------------------------------
 
@@ -52,7 +54,7 @@ def _gradient_rank(rank: int, world: int, init: str) -> None:
 
             start = sum(config.device_batch_sizes[:rank])
             share = tuple(t[start : start + config.device_batch_sizes[rank]] for t in data)
-            sizes = ddp.rank_micro_batches(config, rank)
+            sizes = rank_micro_batches(config, rank)
             model = DistributedDataParallel(module)
             reduces = []
 
@@ -63,7 +65,8 @@ def _gradient_rank(rank: int, world: int, init: str) -> None:
 
             model.register_comm_hook(None, counting)
             batches = [tuple(t[a : a + m] for t in share) for a, m in _offsets(sizes)]
-            ddp.ddp_accumulate(spec.loss_fn, model, model, batches, total=config.batch_size / world)
+            total = config.batch_size / world
+            synced_step(spec.loss_fn, model, batches, total=total, no_sync=model.no_sync)
             # the tiny models fit one bucket: one all-reduce per step, whatever g is
             assert len(reduces) == 1, (name, config, reduces)
             for expected, p in zip(full, module.parameters(), strict=True):
@@ -87,9 +90,16 @@ def test_ddp_accumulation_gives_the_full_batch_gradient(tmp_path):
 
 
 def test_each_rank_takes_its_share_in_even_micro_batches():
-    assert [ddp.rank_micro_batches(BatchConfig(7, 2, 2), r) for r in (0, 1)] == [[2, 2], [2, 1]]
-    assert [ddp.rank_micro_batches(BatchConfig(5, 2, 1), r) for r in (0, 1)] == [[1, 1, 1], [1, 1]]
-    assert ddp.rank_micro_batches(BatchConfig(32, 4, 8), 3) == [8]
+    assert [rank_micro_batches(BatchConfig(7, 2, 2), r) for r in (0, 1)] == [[2, 2], [2, 1]]
+    assert [rank_micro_batches(BatchConfig(5, 2, 1), r) for r in (0, 1)] == [[1, 1, 1], [1, 1]]
+    assert rank_micro_batches(BatchConfig(32, 4, 8), 3) == [8]
+
+
+def test_rank_0_runs_the_busiest_devices_micro_batches():
+    """One loop measures a simulated trial as ddp's rank 0: the same micro-batches."""
+    sizes = [(7, 2, 2), (5, 2, 1), (33, 4, 3), (16, 1, 5), (9, 4, 1), (64, 8, 64)]
+    for config in (BatchConfig(*s) for s in sizes):
+        assert rank_micro_batches(config, 0) == config.micro_batch_sizes, config
 
 
 # -- what ddp refuses ------------------------------------------------------------------
@@ -175,7 +185,7 @@ def test_a_ddp_trial_holds_no_cpu_of_its_own_its_workers_do():
 
 def test_too_many_workers_for_the_cluster_is_an_error_that_says_what_to_change(ray_session):
     exp = parse_experiment({**BASE, "ray": {"cpus_per_trial": 1}})
-    r = ddp.measure_ddp(exp, BatchConfig(16, 4, 4), cwd=".")
+    r = run_trial(exp, BatchConfig(16, 4, 4))
     assert r.status == "error" and r.parallel == "ddp"
     assert r.reason == (
         "4 ddp workers need 4 CPU (ray.cpus_per_trial = 1 per worker), but the Ray cluster "

@@ -13,13 +13,8 @@ from mbtune.config import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.models import build_model
-from mbtune.trial import (
-    ReplayTable,
-    accumulate_gradients,
-    ring_allreduce_s,
-    run_trial,
-    split_batch,
-)
+from mbtune.replay import ReplayTable
+from mbtune.trial import accumulate_gradients, ring_allreduce_s, run_trial, split_batch
 
 
 def experiment(model="mlp", batch_size=16, micro="auto", trial=None, **train_input):
