@@ -9,12 +9,20 @@ import pytest
 import torch
 
 from mbtune.cli import main
+from mbtune.collectives import OneProcess
 from mbtune.config import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.measure import Measurement, measure
 from mbtune.models import build_model
 from mbtune.replay import ReplayTable
-from mbtune.trial import accumulate_gradients, ring_allreduce_s, run_trial, split_batch
+from mbtune.trial import (
+    accumulate_gradients,
+    result_of,
+    ring_allreduce_s,
+    run_trial,
+    split_batch,
+)
 
 
 def experiment(model="mlp", batch_size=16, micro="auto", trial=None, **train_input):
@@ -107,6 +115,55 @@ def test_pipeline_stages_add_the_bubble():
     r = run_trial(exp, BatchConfig(16, 1, 2))  # g = 8 micro-batches
     assert r.pipeline_stages == 4
     assert r.bubble_time_ms == pytest.approx(r.compute_time_ms * 3 / 8)
+
+
+# -- one measurement loop ------------------------------------------------------------
+
+
+def test_on_one_process_the_collectives_do_nothing_and_a_failure_is_the_verdict():
+    one = OneProcess()
+    module = torch.nn.Linear(2, 1)
+    assert (one.rank, one.world_size, one.simulated) == (0, 1, True)
+    assert one.data_parallel(module) is module and one.slowest([2.0, 1.0]) == [2.0, 1.0]
+    with one.no_sync(module):
+        one.all_reduce(torch.ones(1))
+    assert one.agree(None) is None
+    assert one.agree(None, "peak memory 9 MiB is above") == ("oom", "peak memory 9 MiB is above")
+    wrapped = RuntimeError("compile failed")
+    wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    assert one.agree(wrapped) == ("oom", "OutOfMemoryError: CUDA out of memory. Tried to "
+                                  "allocate 2 GiB")  # fmt: skip
+    assert one.agree(ValueError("bad shape")) == ("error", "ValueError: bad shape")
+
+
+def test_a_simulated_measurement_times_the_busiest_devices_compute():
+    exp = experiment(trial={"device": "cpu"})
+    m = measure(exp, BatchConfig(15, 2, 3), torch.device("cpu"), OneProcess())
+    assert (m.status, m.device, m.precision) == ("ok", "cpu", "fp32")
+    assert len(m.step_s) == 3 and m.compute_s == m.step_s and m.comm_s is None
+    assert m.grad_bytes == 442 * 4  # the mlp's 442 fp32 parameters
+    assert m.first_s > 0 and m.flops_per_sample > 0 and m.peak_memory_bytes > 0
+
+
+def test_a_measurement_with_its_all_reduce_measured_is_reported_as_measured():
+    """ddp's figures (the slowest rank's): whole steps, the compute and the all-reduce
+    timed apart; nothing modelled, whatever the pipeline stages."""
+    exp = experiment(trial={"compile": True}, pipeline_stages=2)
+    config = BatchConfig(16, 2, 4)
+    measured = Measurement(config=config, device="cpu", precision="fp32", first_s=2.5,
+                           step_s=(0.2, 0.4, 0.3), compute_s=(0.1, 0.3, 0.2),
+                           comm_s=(0.05, 0.01, 0.03), eval_s=0.08,
+                           flops_per_sample=1e9, peak_tflops=1.0)  # fmt: skip
+    r = result_of(exp, measured)
+    assert (r.status, r.parallel, r.grad_accum_steps, r.micro_batches) == (
+        "ok", "simulate", 2, (4, 4)
+    )  # fmt: skip
+    assert r.step_times_ms == pytest.approx((200.0, 400.0, 300.0))
+    assert r.samples_per_s == pytest.approx(16 / 0.3)
+    assert (r.compute_time_ms, r.comm_time_ms, r.bubble_time_ms) == pytest.approx((200, 30, 0))
+    assert r.compile_s == pytest.approx(2.3) and r.eval_samples_per_s == pytest.approx(200)
+    assert r.tflops_per_s == pytest.approx(1e9 * 16 / 0.3 / 2 / 1e12)
+    assert r.mfu == pytest.approx(r.tflops_per_s)
 
 
 def test_gpt_reports_tokens_per_second():
