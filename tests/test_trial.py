@@ -468,11 +468,11 @@ BAD_TRIALS = {
     ),
     "micro-batch does not divide": (
         BASE, ["--micro-batch-size", "3"],
-        r"micro_batch_size 3 does not divide the per-device batch 16 .* \(or set "
-        r"train_input\.allow_uneven: true\)",
+        r"--micro-batch-size: micro_batch_size 3 does not divide the per-device batch 16 .* "
+        r"\(or set allow_uneven: true\)",
     ),
-    "micro-batch too large": (BASE, ["--micro-batch-size", "32"], r"--micro-batch-size: 32 "
-                              r"exceeds the per-device batch 16"),
+    "micro-batch too large": (BASE, ["--micro-batch-size", "32"], r"--micro-batch-size: "
+                              r"micro_batch_size 32 exceeds the per-device batch 16"),
 }  # fmt: skip
 
 
