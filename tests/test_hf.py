@@ -13,13 +13,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mbtune import hf  # noqa: E402
+from mbtune.batch import split_batch  # noqa: E402
 from mbtune.cli import main  # noqa: E402
 from mbtune.config import load_experiment, parse_experiment  # noqa: E402
 from mbtune.errors import MbtuneError  # noqa: E402
 from mbtune.hf import build_hf_model  # noqa: E402
 from mbtune.lattice import BatchConfig  # noqa: E402
+from mbtune.measure import accumulate_gradients  # noqa: E402
 from mbtune.models import ModelError, build_model, check_model  # noqa: E402
-from mbtune.trial import accumulate_gradients, run_trial, split_batch  # noqa: E402
+from mbtune.trial import run_trial  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

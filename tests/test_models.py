@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 
 from mbtune import models
-from mbtune.batch import num_samples
+from mbtune.batch import num_samples, split_batch
 from mbtune.config import parse_experiment
+from mbtune.measure import accumulate_gradients
 from mbtune.models import (
     BUILTIN_MODELS,
     MODEL_OPTIONS,
@@ -24,7 +25,6 @@ from mbtune.models import (
     check_model,
     slice_batch,
 )
-from mbtune.trial import accumulate_gradients, split_batch
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
