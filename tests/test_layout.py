@@ -97,7 +97,6 @@ def mapped_modules(text: str) -> set[str]:
     return names
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_every_module_is_on_the_design_map():
     """A module nobody can find on the map is a module nobody knows the purpose of; the
     package itself and its `python -m` entry point are the README's."""
@@ -120,7 +119,6 @@ def test_every_module_is_named_in_the_readme():
     assert not missing, f"modules the README's Working on mbtune does not name: {missing}"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_every_module_on_the_design_map_exists():
     stale = sorted(m for m in mapped_modules(DESIGN.read_text()) if f"mbtune.{m}" not in MODULES)
     assert not stale, f"docs/design.md's module map names modules that are gone: {stale}"
@@ -134,7 +132,6 @@ def test_the_map_reader_reads_every_form_of_a_name():
 # --- the shape --------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_no_import_circle():
     graph = {
         name: {i.module for i in mbtune_imports(name, tree) if i.module in MODULES} - {name}
@@ -146,7 +143,6 @@ def test_no_import_circle():
         pytest.fail(f"import circle: {' -> '.join(e.args[1])}")
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_no_module_is_over_500_lines():
     long = {
         str(path.relative_to(ROOT)): n
@@ -173,7 +169,6 @@ def borrowed_private_names(module: str, tree: ast.Module) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=False, reason="issue 15: in progress")
 def test_no_private_name_is_imported_from_another_module():
     borrowed = [line for name, tree in TREES.items() for line in borrowed_private_names(name, tree)]
     assert not borrowed, "\n".join(borrowed)
