@@ -252,11 +252,12 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def check_user_model(exp: Experiment) -> None:
-    """Import a user model and check its contract now, before anything is measured."""
+    """Import a user model and check its contract now, before anything is measured (a
+    Hugging Face model is built on torch's meta device: its size costs nothing)."""
     if not exp.model.is_builtin:
-        from mbtune.models import build_model
+        from mbtune.models import check_model
 
-        build_model(exp.model.name, exp.model.options)
+        check_model(exp.model)
 
 
 # ---------------------------------------------------------------------------
