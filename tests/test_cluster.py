@@ -66,7 +66,7 @@ class Held:
             "train_input": {"batch_size": 8, "micro_batch_size": "auto"},
             # every configuration once, whatever the confidence score
             "search": {"space": {"num_devices": [1], "micro_batch_size": list(sizes)},
-                       "sampler": "grid", "confidence_target": 100},
+                       "sampler": "grid", "confidence_target": 100, "max_repeats": 1},
             "trial": {"compile": False, "warmup_steps": 1, "measure_steps": 1,
                       "timeout_s": 150},
             "ray": {"max_concurrent_trials": concurrent},

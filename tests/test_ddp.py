@@ -293,7 +293,8 @@ def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
             "search": {
                 "space": {"num_devices": [2], "micro_batch_size": [2, 4, 8]},
                 "sampler": "grid",
-                "confidence_target": 100,  # every configuration
+                "confidence_target": 100,  # every configuration, once
+                "max_repeats": 1,
             },
             "trial": {
                 "parallel": "ddp",

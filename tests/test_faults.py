@@ -160,7 +160,8 @@ def test_a_search_records_every_fault_and_keeps_every_other_result(
             "sampler": "grid",
             "num_samples": 20,
             "confidence_target": 100,
-        },  # every configuration, whatever the score says
+            "max_repeats": 1,
+        },  # every configuration once, whatever the score says
     )
     exp = parse_experiment({**exp.to_dict(), "ray": {"max_concurrent_trials": 2}})
     lines = []

@@ -26,7 +26,7 @@ def experiment(tmp_path: Path) -> Path:
         "train_input": {"batch_size": 32, "micro_batch_size": "auto"},
         # every configuration once, no stop on confidence: 11 trials unless interrupted
         "search": {"space": {"num_devices": [1, 2]}, "sampler": "grid",
-                   "confidence_target": 100},
+                   "confidence_target": 100, "max_repeats": 1},
         "trial": {"backend": "replay", "table": str(tmp_path / "t.csv")},
         "output_dir": str(tmp_path / "runs"),
     }  # fmt: skip
