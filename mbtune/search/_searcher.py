@@ -255,7 +255,8 @@ class MbtuneSearcher(Searcher):
         return {p for p, _ in self.running.values()}
 
     def _from_model(self, trial_id: str, a: Assessment | None) -> dict | str | None:
-        open_points = sorted(self.points - set(self.measured) - self.busy())
+        # with batch mixing, only m = P runs: every other point is that one (key)
+        open_points = sorted({self.key(p) for p in self.points} - set(self.measured) - self.busy())
         view = self.assessment(taught=True) if self.taught else a
         new = None
         if open_points:
