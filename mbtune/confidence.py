@@ -231,7 +231,7 @@ def assess(
     values = [o.value for o in ok if o.config == recommended]
     return Assessment(
         recommended=recommended,
-        value=math.exp(statistics.fmean(map(math.log, values))),  # every look, pooled
+        value=statistics.geometric_mean(values),  # every look, pooled
         confidence=min(MAX_SCORE, int(probability * 100)),
         probability=probability,
         feasible=len(candidates),

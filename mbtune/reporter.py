@@ -225,6 +225,6 @@ def per_config(rows: Sequence[Row]) -> dict[BatchConfig, Row]:
         for key in ("samples_per_s", "objective", "tflops_per_s", "mfu"):
             values = [v for v in (as_number(r.get(key)) for r in group) if v]
             if values:
-                pooled[key] = math.exp(statistics.fmean(map(math.log, values)))
+                pooled[key] = statistics.geometric_mean(values)
         out[config] = pooled
     return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pickle
 import statistics
 from collections import defaultdict
@@ -321,7 +320,7 @@ class MbtuneSearcher(Searcher):
 
     def _pooled(self, config: BatchConfig) -> float | None:
         values = [o.value for o in self.observations if o.config == config and o.value]
-        return math.exp(statistics.fmean(map(math.log, values))) if values else None
+        return statistics.geometric_mean(values) if values else None
 
     # -- results it did not ask for -------------------------------------------
 
