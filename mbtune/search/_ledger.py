@@ -28,7 +28,15 @@ from mbtune.reporter import Reporter
 from mbtune.rundir import TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import settled, unpack_result
 
-__all__ = ["LEDGER_LOCK", "ConfidenceStop", "TrialLog", "TrialProgress", "head_lost", "print_line"]
+__all__ = [
+    "LEDGER_LOCK",
+    "ConfidenceStop",
+    "TrialLog",
+    "TrialProgress",
+    "head_lost",
+    "print_line",
+    "settled_after",
+]
 
 LEDGER_LOCK = threading.Lock()
 """Held while a finished trial is written, so that a search ended by a lost head never
@@ -70,19 +78,20 @@ class TrialLog(Callback):
         # from the run directory, which holds every trial finished since that save too
         return {**self.__dict__, "_rows": None, "_history": None}
 
+    def _records(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        if self._rows is None or self._history is None:  # restored: read the run back
+            self._rows, self._history = self.run.trials(), self.run.recommendations()
+        return self._rows, self._history
+
     @property
     def rows(self) -> list[dict[str, Any]]:
         """Every finished trial of the run, in order."""
-        if self._rows is None:
-            self._rows, self._history = self.run.trials(), self.run.recommendations()
-        return self._rows
+        return self._records()[0]
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """Every recommendation of the run, in order."""
-        self.rows  # noqa: B018 - loads both
-        assert self._history is not None
-        return self._history
+        return self._records()[1]
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self.results[trial.trial_id] = unpack_result(result)
@@ -106,14 +115,10 @@ class TrialLog(Callback):
                 self.run.append_recommendation(rec.record())
                 self.history.append(rec.record())
                 self.echo(rec.line())
-                looks = self.reporter.assess(self.rows).looks.get(rec.config, 0)
-                self.settled = settled(
-                    rec.confidence,
-                    looks,
-                    target=self.target,
-                    max_repeats=self.max_repeats,
-                    noise_floor=self.reporter.model.noise_floor,
-                )
+                self.settled = settled_after(
+                    self.reporter, self.rows, rec.confidence, rec.config,
+                    target=self.target, max_repeats=self.max_repeats,
+                )  # fmt: skip
 
     def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
         if any(r.get("trial_id") == trial.trial_id for r in self.rows):
@@ -133,6 +138,23 @@ class TrialLog(Callback):
         self.run.append_trial(row)
         self.rows.append(row)
         return row
+
+
+def settled_after(
+    reporter: Reporter,
+    rows: list[dict[str, Any]],
+    confidence: int,
+    config: BatchConfig,
+    *,
+    target: int,
+    max_repeats: int,
+) -> bool:
+    """Whether a search may stop after ``rows``, whose recommendation ``config`` scored
+    ``confidence`` (:func:`mbtune.search.settled`, with how often ``config`` was measured
+    and the drift prior of the reporter's search model)."""
+    looks = reporter.assess(rows).looks.get(config.canonical(), 0)
+    return settled(confidence, looks, target=target, max_repeats=max_repeats,
+                   noise_floor=reporter.model.noise_floor)  # fmt: skip
 
 
 def _actor_failure(trial: Any) -> tuple[str, str | None]:

@@ -150,7 +150,19 @@ def _optuna_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.RandomSampler(seed=seed)
 
 
-class OptunaSearcher(Searcher):
+class _PickledSearcher(Searcher):
+    """A Tune searcher whose whole state is its attributes: saved and restored by pickle."""
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+class OptunaSearcher(_PickledSearcher):
     """Optuna's ask-and-tell over the lattice, as a Tune searcher (``tpe``, ``gp``,
     ``random``): the same adapter as Ray's ``OptunaSearch``, written for a define-by-run
     space of lattice points and told results it did not ask for, through Optuna's public
@@ -191,20 +203,12 @@ class OptunaSearcher(Searcher):
             optuna.trial.create_trial(params=params, distributions=distributions, value=value)
         )
 
-    def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            pickle.dump(self.__dict__, f)
-
-    def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
-
 
 # ---------------------------------------------------------------------------
 # baselines
 
 
-class ListSearcher(Searcher):
+class ListSearcher(_PickledSearcher):
     """A searcher over a fixed list of points, told the value of each finished one."""
 
     def __init__(self, points: Sequence[BatchConfig]) -> None:
@@ -228,14 +232,6 @@ class ListSearcher(Searcher):
         point = self.pending.pop(trial_id, None)
         if point is not None:
             self.values[point] = (result or {}).get(METRIC, 0.0) if not error else 0.0
-
-    def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            pickle.dump(self.__dict__, f)
-
-    def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
 
 
 class GridSearcher(ListSearcher):

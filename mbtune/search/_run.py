@@ -29,8 +29,15 @@ from mbtune.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.report import summary_lines
 from mbtune.reporter import Reporter
 from mbtune.rundir import RunDir
-from mbtune.search._ledger import ConfidenceStop, TrialLog, TrialProgress, head_lost, print_line
-from mbtune.search._searcher import make_searcher, one_look_reason, pack_result, settled
+from mbtune.search._ledger import (
+    ConfidenceStop,
+    TrialLog,
+    TrialProgress,
+    head_lost,
+    print_line,
+    settled_after,
+)
+from mbtune.search._searcher import make_searcher, one_look_reason, pack_result
 from mbtune.search._signals import graceful_stop
 from mbtune.trial import TrialRequest
 
@@ -157,7 +164,11 @@ def _fit(
         tuner.fit()
     rows, history = run.trials(), run.recommendations()
     target = exp.search.confidence_target
-    confident = bool(history) and _settled(exp, reporter, rows, history[-1])
+    last = history[-1] if history else None
+    confident = last is not None and settled_after(
+        reporter, rows, last["confidence"], BatchConfig.from_mapping(last),
+        target=target, max_repeats=exp.search.max_repeats,
+    )  # fmt: skip
     status = "interrupted" if interrupted else "confident" if confident else "finished"
     summary = reporter.summary(rows, status, history)
     if summary["recommended"] and summary["recommended"]["measurements"] == 1:
@@ -174,18 +185,6 @@ def _fit(
     for line in summary_lines(rows, summary, run.path):
         echo(line)
     return outcome
-
-
-def _settled(exp: Experiment, reporter: Reporter, rows: list, last: dict[str, Any]) -> bool:
-    config = BatchConfig.from_mapping(last)
-    looks = reporter.assess(rows).looks.get(config.canonical(), 0)
-    return settled(
-        last["confidence"],
-        looks,
-        target=exp.search.confidence_target,
-        max_repeats=exp.search.max_repeats,
-        noise_floor=exp.noise_floor,
-    )
 
 
 def _model_for(exp: Experiment, points: list[BatchConfig]) -> SearchModel:

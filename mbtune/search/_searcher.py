@@ -206,10 +206,9 @@ class MbtuneSearcher(Searcher):
             if point not in self.measured and point not in self.busy():
                 return self._start(trial_id, point)
         a = self.assessment()
-        if a is not None:  # the leader, measured once, before the search may stop
-            look = another_look(a, **self._rule(),
-                                busy=self.busy(), new_threat=0.0)  # fmt: skip
-            if look is not None and a.confidence >= self.target:
+        if a is not None and a.confidence >= self.target:  # the leader, before stopping
+            look = another_look(a, **self._rule(), busy=self.busy(), new_threat=None)
+            if look is not None:
                 return self._start(trial_id, *look)
         if self.inner is None:
             return self._from_model(trial_id, a)
