@@ -52,8 +52,13 @@ def experiment(seed: int, drift: float, sampler: str, max_repeats: int, num_samp
                 "max_repeats": max_repeats,
                 "num_samples": num_samples,
             },
-            "trial": {"backend": "replay", "table": str(TABLE), "noise": 0.03,
-                      "drift": drift, "measure_steps": 5},  # fmt: skip
+            "trial": {
+                "backend": "replay",
+                "table": str(TABLE),
+                "noise": 0.03,
+                "drift": drift,
+                "measure_steps": 5,
+            },  # fmt: skip
         }
     )
 

@@ -117,8 +117,16 @@ def main() -> int:
         status = results[key][-1].get("status")
         row = {"micro_batch_size": m, "precision": p, "activation_checkpointing": ac,
                "status": status, "reason": results[key][-1].get("reason")}  # fmt: skip
-        for field in ("samples_per_s", "mfu", "tflops_per_s", "peak_memory_bytes",
-                      "peak_reserved_bytes", "alloc_retries", "compile_s", "flops_per_sample"):
+        for field in (
+            "samples_per_s",
+            "mfu",
+            "tflops_per_s",
+            "peak_memory_bytes",
+            "peak_reserved_bytes",
+            "alloc_retries",
+            "compile_s",
+            "flops_per_sample",
+        ):
             row[field] = median(key, field)  # fmt: skip
         rows.append(row)
 

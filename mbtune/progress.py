@@ -297,9 +297,7 @@ _display: Display | None = None
 
 
 @contextlib.contextmanager
-def shown(
-    finished: int = 0, out: TextIO | None = None, *, board: bool = True
-) -> Iterator[Display]:
+def shown(finished: int = 0, out: TextIO | None = None, *, board: bool = True) -> Iterator[Display]:
     """Show the progress of the trials a search runs while the block runs; ``finished``:
     how many trials the run had finished before (a resumed run). ``board``: start the board
     actor the trial actors tell (Ray must be running); without it, phases are told to the
