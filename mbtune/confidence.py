@@ -28,7 +28,8 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    configuration with the highest posterior mean; the score is the fraction of samples
    in which it is within ``tolerance`` of the sample's best, in percent, capped at 99.
    Each other configuration's *threat* is the fraction in which it beats the
-   recommendation by more than ``tolerance``: what the search weighs when it chooses
+   recommendation by more than ``tolerance``, and the unmeasured configurations' threat
+   the fraction in which any of them does: what the search weighs when it chooses
    between a new configuration and another look at a measured one (mbtune.search).
 """
 
@@ -157,6 +158,10 @@ class Assessment:
     by more than the tolerance (the recommendation's own is 0)."""
     looks: dict[BatchConfig, int] = field(default_factory=dict, repr=False)
     """How many finished trials measured each configuration (any status)."""
+    unmeasured_threat: float = 0.0
+    """The probability that some configuration never measured beats the recommendation by
+    more than the tolerance: the doubt a new measurement can settle (it informs the
+    unmeasured configurations near it too, which the model correlates)."""
     drift: float = 0.0
     """The relative run-to-run drift the model assumed (the estimate from repeats, or the
     prior alone)."""
@@ -226,7 +231,9 @@ def assess(
     within = draws[:, r] >= draws.max(axis=1) + margin
     probability = float(within.mean())
     winners = np.bincount(draws.argmax(axis=1), minlength=len(keep)) / len(draws)
-    beats = (draws + margin > draws[:, [r]]).mean(axis=0)
+    beating = draws + margin > draws[:, [r]]
+    beats = beating.mean(axis=0)
+    unmeasured_columns = [j for j, i in enumerate(keep) if i not in fitted]
     recommended = candidates[best_measured]
     values = [o.value for o in ok if o.config == recommended]
     return Assessment(
@@ -239,6 +246,7 @@ def assess(
         p_best={candidates[i]: float(p) for i, p in zip(keep, winners, strict=True)},
         threat={candidates[i]: float(p) for i, p in zip(keep, beats, strict=True)},
         looks=counts,
+        unmeasured_threat=float(beating[:, unmeasured_columns].any(axis=1).mean()),
         drift=drift,
         drift_dof=drift_dof,
     )

@@ -283,3 +283,32 @@ def test_a_repeat_is_a_fresh_trial_numbered_by_its_configuration():
     assert sorted(seen) == [(8, 0), (8, 1), (8, 2), (16, 0), (16, 1), (16, 2)]
     assert params == Searcher.FINISHED
     assert searcher.assessment().looks == {points[0]: 3, points[1]: 3}
+
+
+def test_a_whole_region_left_unmeasured_outweighs_another_look_at_a_close_rival():
+    # a slow link: 4 devices are the fastest, but the search starts on 8, where three
+    # micro-batch sizes are within noise of each other. Another look at one of them
+    # settles little; the configurations on fewer devices, none measured, together
+    # threaten the leader more, so the search measures something new.
+    points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
+
+    def slow_link(c):
+        m, n = c.micro_batch_size, c.num_devices
+        if m > 64:
+            return None
+        return 512 / ((512 / n) / (1000 * m / (m + 6)) + 0.032 * (n - 1) / n + 0.06 * (n - 1))
+
+    searcher = make_searcher("model", points, seed=0, noise_floor=0.035)
+    for i in range(5):
+        params = searcher.suggest(f"t{i}")
+        value = slow_link(BatchConfig.from_mapping(params))
+        steps = [1e3 * 512 / value * f for f in (0.97, 1.0, 1.03, 0.99, 1.01)] if value else []
+        searcher.on_trial_complete(f"t{i}", {METRIC: value or 0.0, **params,
+                                             "status": "ok" if value else "oom",
+                                             "step_times_ms": steps})  # fmt: skip
+    a = searcher.assessment()
+    assert a.confidence < 90 and {c.num_devices for c in a.looks} == {8}
+    rivals = [t for c, t in a.threat.items() if a.looks.get(c)]
+    assert a.unmeasured_threat > max(rivals) >= 0.01  # a close rival, but more doubt elsewhere
+    params = searcher.suggest("t5")
+    assert params["repeat"] == 0 and BatchConfig.from_mapping(params).canonical() not in a.looks

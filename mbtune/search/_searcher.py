@@ -114,8 +114,11 @@ def another_look(
     At the target: the leader, if it was measured once and :func:`settled` wants it
     measured twice. Below it: the leader or the rival
     that most threatens it (the one of the two measured fewer times; the leader on a
-    tie), where that rival's threat is material and larger than ``new_threat``, the
-    threat of the best new configuration (None: there is nothing new to measure)."""
+    tie), where that rival's threat is material and larger than ``new_threat``, what a
+    new measurement could settle: the unmeasured configurations' threat (one trial
+    informs its unmeasured neighbours too; comparing with the single best new
+    configuration's own threat re-measured close rivals while a whole region, say every
+    configuration on fewer devices, went unexplored). None: nothing new to measure."""
     leader = a.recommended
     if leader is None or max_repeats < 2:
         return None
@@ -264,7 +267,7 @@ class MbtuneSearcher(Searcher):
                 likely = {p: view.p_best.get(p, 0.0) for p in open_points}
                 new = max(likely, key=likely.__getitem__)
         if a is not None:
-            threat = a.threat.get(new, 0.0) if new is not None else None
+            threat = a.unmeasured_threat if new is not None else None
             look = another_look(a, **self._rule(),
                                 busy=self.busy(), new_threat=threat)  # fmt: skip
             if look is not None:
