@@ -115,10 +115,9 @@ def another_look(
     measured twice. Below it: the leader or the rival
     that most threatens it (the one of the two measured fewer times; the leader on a
     tie), where that rival's threat is material and larger than ``new_threat``, what a
-    new measurement could settle: the unmeasured configurations' threat (one trial
-    informs its unmeasured neighbours too; comparing with the single best new
-    configuration's own threat re-measured close rivals while a whole region, say every
-    configuration on fewer devices, went unexplored). None: nothing new to measure."""
+    new measurement could settle: the unmeasured configurations' threat taken together
+    (one trial informs its unmeasured neighbours too; docs/confidence.md). None: there
+    is nothing new to measure."""
     leader = a.recommended
     if leader is None or max_repeats < 2:
         return None
