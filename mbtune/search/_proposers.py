@@ -196,8 +196,9 @@ class OptunaSearcher(_PickledSearcher):
         else:
             self.study.tell(number, float(result.get(METRIC) or 0.0))
 
-    def tell(self, config: BatchConfig, value: float) -> None:
-        """A result it did not ask for, added to the study as a finished trial."""
+    def tell(self, config: BatchConfig, value: float, *, measured: bool) -> None:
+        """A result it did not ask for (measured in this search or not), added to the
+        study as a finished trial: Optuna learns from every result."""
         params, distributions = self.space.encode(config.canonical())
         self.study.add_trial(
             optuna.trial.create_trial(params=params, distributions=distributions, value=value)
@@ -232,6 +233,12 @@ class ListSearcher(_PickledSearcher):
         point = self.pending.pop(trial_id, None)
         if point is not None:
             self.values[point] = (result or {}).get(METRIC, 0.0) if not error else 0.0
+
+    def tell(self, config: BatchConfig, value: float, *, measured: bool) -> None:
+        """A result it did not ask for: learnt only where this search ``measured`` it (a
+        warm start must not make ``grid`` skip a configuration)."""
+        if measured:
+            self.values[config.canonical()] = value
 
 
 class GridSearcher(ListSearcher):

@@ -326,20 +326,15 @@ class MbtuneSearcher(Searcher):
     # -- results it did not ask for -------------------------------------------
 
     def tell(self, config: BatchConfig, value: float, *, measured: bool = False) -> None:
-        """Teach the proposer a result (a start point, another look, a warm start).
-
-        Optuna and the model learn from every result; the baselines only from what this
-        search measured (``measured``): a warm start must not make ``grid`` skip a
-        configuration."""
+        """Teach the proposer a result (a start point, another look, a warm start);
+        ``measured``: this search measured it. The search model has this search's own
+        trials already and learns a warm start's; each inner proposer says what it learns."""
         config = config.canonical()
-        if self.inner is None:
-            if not measured:
-                status = "ok" if value > 0 else "error"
-                self.taught.append(Observation(config, status, value if value > 0 else None))
-        elif isinstance(self.inner, OptunaSearcher):
-            self.inner.tell(config, value)
-        elif measured:
-            self.inner.values[config] = value
+        if self.inner is not None:
+            self.inner.tell(config, value, measured=measured)
+        elif not measured:
+            status = "ok" if value > 0 else "error"
+            self.taught.append(Observation(config, status, value if value > 0 else None))
 
     def add_measured(self, config: BatchConfig, value: float) -> None:
         """A point measured before this search (resume): never measure it again."""
