@@ -21,11 +21,15 @@ Landscapes, in two sets:
 - fixed: the five landscapes of bench/search_efficiency.py as they are, gpt_cpu (measured
   on this machine) among them. The `model` sampler is deterministic, so the searches of
   one fixed landscape differ only by their noise: they repeat one situation, and a bin
-  there stands for a handful of situations however many readings it holds. Reported to
-  show how the score behaves on the real landscape, not to read the target on.
+  there stands for a handful of situations however many readings it holds (and its
+  interval below is the noise's alone). Reported to show how the score behaves on the
+  real landscape, not to read the target on.
 
 Target: every bin with at least 30 readings within 10 points of its score; at the moment
-a search reaches 90, right at least 90% of the time.
+a search reaches 90, right at least 90% of the time. Each gap comes with a 90% interval
+from a bootstrap over the seeds (whole seeds resampled, as one search's readings and the
+families of one seed are not independent): a bin of a few dozen readings moves by more
+than 10 points from one set of seeds to the next.
 Run: `.venv/bin/python bench/confidence_calibration.py [--seeds 100] [--sampler model]
 [--landscapes drawn|fixed|both]` (about 4 minutes).
 """
@@ -33,10 +37,12 @@ Run: `.venv/bin/python bench/confidence_calibration.py [--seeds 100] [--sampler 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 
 from _common import BENCH, machine, save
 from search_efficiency import drawn_landscapes, landscapes, replay_search
@@ -48,6 +54,8 @@ from mbtune.search import settled
 TARGET = 90
 MAX_REPEATS = 3
 MIN_BIN = 30
+BOOTSTRAP = 1000
+"""Resamples of the seeds behind each gap's 90% interval."""
 
 
 def search(table, sampler: str, seed: int, drift: float = 0.0) -> list[tuple[int, int, bool, bool]]:
@@ -109,21 +117,23 @@ def calibrate(
 ) -> dict[str, dict]:
     """The reliability table of every landscape and of them all, and where searches stop."""
     results: dict[str, dict] = {}
+    # readings by seed: a bin's interval resamples whole seeds (one seed's readings are
+    # one search's trials, and the drawn families of one seed share their shape)
     everything: dict[int, list[tuple[int, bool]]] = defaultdict(list)
     for name, table_for in tables.items():
-        bins: dict[int, list[tuple[int, bool]]] = defaultdict(list)
+        readings: dict[int, list[tuple[int, bool]]] = defaultdict(list)
         stops = []
         for seed in range(seeds):
             trace = search(table_for(seed), sampler, seed, drift)
             for _, score, right, _ in trace:
-                bins[min(score // 10, 9)].append((score, right))
-                everything[min(score // 10, 9)].append((score, right))
+                readings[seed].append((score, right))
+                everything[seed].append((score, right))
             stop = next(((i, right) for i, _, right, done in trace if done), None)
             stops.append(stop)
         reached = [s for s in stops if s]
         results[name] = {
             "size": len(table_for(0)),
-            "bins": _table(bins),
+            "bins": _table(readings),
             "stop_reached": len(reached),
             "stop_right": sum(right for _, right in reached),
             "stop_trials_median": statistics.median(i for i, _ in reached) if reached else None,
@@ -135,25 +145,54 @@ def calibrate(
     return results
 
 
-def _table(bins: dict[int, list[tuple[int, bool]]]) -> list[dict]:
+def _bin(score: int) -> int:
+    return min(score // 10, 9)
+
+
+def _gaps(readings: Iterable[tuple[int, bool]]) -> dict[int, tuple[int, float, float]]:
+    """Per bin: readings, mean score, and right minus mean score (points)."""
+    bins: dict[int, list[tuple[int, bool]]] = defaultdict(list)
+    for score, right in readings:
+        bins[_bin(score)].append((score, right))
+    out = {}
+    for b, pairs in bins.items():
+        mean_score = statistics.fmean(s for s, _ in pairs)
+        out[b] = (len(pairs), mean_score, 100 * statistics.fmean(r for _, r in pairs) - mean_score)
+    return out
+
+
+def _table(by_seed: dict[int, list[tuple[int, bool]]]) -> list[dict]:
+    """The reliability table, with each gap's 90% interval from a bootstrap over seeds."""
+    seeds = sorted(by_seed)
+    point = _gaps(r for s in seeds for r in by_seed[s])
+    rng = random.Random(0)
+    resampled: dict[int, list[float]] = defaultdict(list)
+    for _ in range(BOOTSTRAP):
+        drawn = rng.choices(seeds, k=len(seeds))
+        for b, (_, _, gap) in _gaps(r for s in drawn for r in by_seed[s]).items():
+            resampled[b].append(gap)
     rows = []
-    for b in sorted(bins):
-        pairs = bins[b]
-        mean_score = statistics.mean(s for s, _ in pairs)
-        right = 100 * statistics.mean(r for _, r in pairs)
-        rows.append({"bin": f"{10 * b}-{10 * b + 9}", "samples": len(pairs),
+    for b in sorted(point):
+        samples, mean_score, gap = point[b]
+        gaps = sorted(resampled[b])
+        low, high = (gaps[int(q * (len(gaps) - 1))] for q in (0.05, 0.95))
+        right = gap + mean_score
+        rows.append({"bin": f"{10 * b}-{10 * b + 9}", "samples": samples,
                      "mean_score": round(mean_score, 1), "right_percent": round(right, 1),
-                     "gap": round(right - mean_score, 1)})  # fmt: skip
+                     "gap": round(gap, 1), "gap_90": [round(low, 1), round(high, 1)]})  # fmt: skip
     return rows
 
 
 def _print(name: str, r: dict, min_bin: int) -> None:
     print(f"\n{name}" + (f": {r['size']} configurations" if "size" in r else ""))
-    print(f"  {'score':>6} {'samples':>8} {'mean score':>11} {'right %':>8} {'gap':>6}")
+    head = f"{'score':>6} {'samples':>8} {'mean score':>11} {'right %':>8} {'gap':>6}"
+    print(f"  {head} {'90% interval':>14}")
     for row in r["bins"]:
         flag = "" if row["samples"] < min_bin or abs(row["gap"]) <= 10 else "  <- off by > 10"
+        low, high = row["gap_90"]
         print(f"  {row['bin']:>6} {row['samples']:>8} {row['mean_score']:>11.1f} "
-              f"{row['right_percent']:>8.1f} {row['gap']:>+6.1f}{flag}")  # fmt: skip
+              f"{row['right_percent']:>8.1f} {row['gap']:>+6.1f} {low:>+6.1f} to {high:>+5.1f}"
+              f"{flag}")  # fmt: skip
     if "stop_reached" in r:
         print(f"  reached {TARGET} in {r['stop_reached']}/{r['seeds']} searches, median "
               f"{r['stop_trials_median']} trials; right at that moment in {r['stop_right']}"
