@@ -158,7 +158,9 @@ def summary_lines(rows: Sequence[Row], summary: Mapping[str, Any], run_path: Pat
             f"  the valid batch_size nearest yours for this micro_batch_size and num_devices: "
             f"{summary['recommended_batch_size']}"
         )
-    lines += map(_break_even_line, summary["compile_break_even"])
+    # printed in tenths of a second: a difference that rounds to 0.0 s is none to weigh
+    lines += [_break_even_line(b) for b in summary["compile_break_even"]
+              if b["extra_compile_s"] >= 0.05]  # fmt: skip
     lines.append("best configurations:")
     lines += _top_table(summary["top"])
     return lines
@@ -185,9 +187,10 @@ def _measurements_line(summary: Mapping[str, Any]) -> str:
 
 def _break_even_line(b: Mapping[str, Any]) -> str:
     other = b["against"]
+    steps = b["break_even_steps"]
     pays = (
-        f"pays off after {b['break_even_steps']:,} training steps"
-        if b["break_even_steps"]
+        f"pays off after {steps:,} training step{'' if steps == 1 else 's'}"
+        if steps
         else "never pays off"
     )
     return (

@@ -121,6 +121,16 @@ def test_the_summary_of_a_search():
         "     1            2          32                 8           2       672.7        3.0",
         "     2            2          32                16           1       600.0        1.0",
     ]
+    # a compile difference that would print as 0.0 s is left out; one step is one step
+    summary["compile_break_even"] = [
+        {"against": other, "extra_compile_s": 0.04, "break_even_steps": 2},
+        {"against": other, "extra_compile_s": 0.3, "break_even_steps": 1},
+    ]
+    lines = report.summary_lines(rows, summary, Path("runs/x"))
+    assert [line for line in lines if "compiles" in line] == [
+        "  it compiles 0.3 s slower than micro_batch_size 16 on 2 device(s), and pays off "
+        "after 1 training step"
+    ]
     nothing = {"recommended": None}
     assert report.summary_lines(rows, nothing, Path("r")) == [
         "mbtune: 2 trials finished (1 not ok); results in r",
