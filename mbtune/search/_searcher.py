@@ -208,12 +208,12 @@ class MbtuneSearcher(Searcher):
             if point not in self.measured and point not in self.busy():
                 return self._start(trial_id, point)
         a = self.assessment()
+        if self.inner is None:
+            return self._from_model(trial_id, a)
         if a is not None and a.confidence >= self.target:  # the leader, before stopping
             look = another_look(a, **self._rule(), busy=self.busy(), new_threat=None)
             if look is not None:
                 return self._start(trial_id, *look)
-        if self.inner is None:
-            return self._from_model(trial_id, a)
         params = self._from_inner(trial_id)
         if params != Searcher.FINISHED:
             return params
