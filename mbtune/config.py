@@ -215,8 +215,10 @@ def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
         model=_parse_model(top.get("model", required=True)),
         train_input=_parse_train_input(top.get("train_input", required=True)),
         search=_parse_search(top.get("search"), base),
-        trial=_build(TrialConfig, _Section(top.get("trial"), "trial"), base=base),
-        ray=_build(RayConfig, _Section(top.get("ray"), "ray")),
+        trial=_build(
+            TrialConfig, _Section(top.get("trial"), "trial", _keys(TrialConfig)), base=base
+        ),
+        ray=_build(RayConfig, _Section(top.get("ray"), "ray", _keys(RayConfig))),
         source=source,
     )
 

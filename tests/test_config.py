@@ -504,6 +504,17 @@ def test_the_dataclasses_refuse_what_the_yaml_refuses_with_the_same_message(cls,
     assert "\n" not in str(in_code)
 
 
+@pytest.mark.parametrize("cls", [*(c for c in SECTIONS if c is not ModelConfig), Experiment])
+def test_every_section_refuses_a_key_it_does_not_know(cls):
+    # a model's other keys are its options, checked by the model (RULES above)
+    required = {"min": 1, "max": 8} if cls is IntRange else {}
+    error = error_of(lambda: from_yaml(cls, {**required, "bogus_key": 1}))
+    where = ".".join(str(k) for k in SECTIONS.get(cls, [])).replace(".0", "[0]")
+    assert isinstance(error, ConfigError)
+    assert error.where == (f"{where}.bogus_key" if where else "bogus_key")
+    assert error.rule.startswith("unknown key; valid keys: ")
+
+
 def test_every_field_has_a_rule_above():
     """A field added without a line in RULES fails here."""
     named = {str(error_of(lambda r=r: from_yaml(*r))).split(":")[0] for r in RULES}
