@@ -48,7 +48,7 @@ from mbtune.collectives import ProcessGroup
 from mbtune.experiment import Experiment
 from mbtune.lattice import BatchConfig
 from mbtune.measure import Measurement, measure, resolve_device
-from mbtune.memory import find_oom, reason_line, release
+from mbtune.memory import find_oom, reason_line, release, short_reason
 
 __all__ = ["EXIT_TIMED_OUT", "FIT_GRACE_S", "HEALTH_CHECK_INTERVAL_S", "measure_ddp"]
 
@@ -210,7 +210,7 @@ def _failed(
     if not failures:  # the controller failed, or Ray itself
         cause = getattr(error, "controller_failure", None) or error
         return dataclasses.replace(
-            base, status="error", reason=_short(f"Ray Train: {_describe(cause)}")
+            base, status="error", reason=short_reason(f"Ray Train: {_describe(cause)}")
         )
     status, reason = _worker_failure(failures)
     return dataclasses.replace(base, status=status, reason=reason)
@@ -237,7 +237,7 @@ def _worker_failure(failures: dict[int, BaseException]) -> tuple[str, str]:
         status, what = "error", _describe(e)
     others = len(ranked) - 1
     also = f" (and {others} other rank{'s' if others > 1 else ''} failed with it)" if others else ""
-    return status, _short(f"rank {rank}: {what}{also}")
+    return status, short_reason(f"rank {rank}: {what}{also}")
 
 
 def _died(error: BaseException) -> bool:
@@ -251,11 +251,6 @@ def _describe(error: BaseException) -> str:
     """One line for an error: its own, or the last line of a (remote) traceback's text."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if len(lines) > 1 else reason_line(error)
-
-
-def _short(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 # ---------------------------------------------------------------------------

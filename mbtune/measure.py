@@ -190,15 +190,10 @@ def _timed_steps(
     # averages over the ranks, so there a share is of B / n (uneven ranks included)
     total = sum(sizes) if group.world_size == 1 else config.batch_size / group.world_size
 
-    def local_step() -> None:
+    def local_step(zero_grads: bool = False) -> None:
         with group.no_sync(wrapped):
             accumulate_gradients(loss_fn, model, batches, total=total)
-        _optimizer_step(precision, optimizer)
-
-    def first_step() -> None:
-        with group.no_sync(wrapped):
-            accumulate_gradients(loss_fn, model, batches, total=total)
-        if group.world_size > 1:  # zero gradients: every rank's weights stay equal
+        if zero_grads and group.world_size > 1:  # every rank's weights stay equal
             optimizer.zero_grad(set_to_none=False)
         _optimizer_step(precision, optimizer)
 
@@ -218,7 +213,7 @@ def _timed_steps(
         phase("compiling" if tr.compile else "first step", 0, 0)
         first = None
         try:
-            first = timed(first_step)
+            first = timed(lambda: local_step(zero_grads=True))
         except Exception as e:
             failure = e
         verdict = group.agree(failure)

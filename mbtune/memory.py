@@ -31,6 +31,7 @@ __all__ = [
     "release",
     "reset_peak",
     "retry_note",
+    "short_reason",
     "verdict",
 ]
 
@@ -43,7 +44,12 @@ REASON_CHARS = 300
 
 def reason_line(exc: BaseException) -> str:
     """An exception in one line (model_options.one_line), cut for a row of trials.csv."""
-    text = one_line(exc)
+    return short_reason(one_line(exc))
+
+
+def short_reason(text: str) -> str:
+    """``text`` in one line (whitespace folded), cut for a row of trials.csv."""
+    text = " ".join(text.split())
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
 
