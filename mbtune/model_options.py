@@ -24,6 +24,7 @@ __all__ = [
     "one_line",
     "split_hf_options",
     "split_user_options",
+    "with_defaults",
 ]
 
 
@@ -69,7 +70,6 @@ _CLASS_NAME = re.compile(r"[A-Za-z_]\w*")
 def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
     """A built-in model's defaults overlaid with `options`, each checked (ModelError)."""
     defaults = MODEL_OPTIONS[name]
-    checked = dict(defaults)
     for key, value in options.items():
         if key not in defaults:
             raise ModelError(
@@ -89,14 +89,12 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
                     f"model.{key}: must be a float in [0, 1), got {value!r}; "
                     f"the default is {default!r}"
                 )
-            checked[key] = float(value)
-        else:
-            if not _is_size(value):
-                raise ModelError(
-                    f"model.{key}: must be a positive integer, got {value!r}; "
-                    f"the default is {default!r}"
-                )
-            checked[key] = value
+        elif not _is_size(value):
+            raise ModelError(
+                f"model.{key}: must be a positive integer, got {value!r}; "
+                f"the default is {default!r}"
+            )
+    checked = with_defaults(name, options)
     if name == "gpt" and checked["d_model"] % checked["n_head"]:
         d_model, n_head = checked["d_model"], checked["n_head"]
         below = d_model - d_model % n_head
@@ -106,6 +104,14 @@ def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]
             f"n_head={n_head}); valid d_model near {d_model}: {valid}"
         )
     return checked
+
+
+def with_defaults(name: str, options: Mapping[str, object]) -> dict[str, object]:
+    """A built-in model's defaults overlaid with `options` as :func:`check_options` passes
+    them (without checking them): a probability as a float (YAML's `dropout: 0` is an int)."""
+    defaults = MODEL_OPTIONS[name]
+    given = {k: float(v) if isinstance(defaults.get(k), float) else v for k, v in options.items()}
+    return {**defaults, **given}
 
 
 def _is_size(value: object) -> bool:

@@ -47,6 +47,7 @@ from mbtune.model_options import (
     check_options,
     did_you_mean,
     hf_model_type,
+    with_defaults,
 )
 from mbtune.model_spec import Batch, ModelSpec, batch_mixing_reason
 from mbtune.user_models import USER_MODEL_NAMES, build_user_model
@@ -206,10 +207,7 @@ def build_from_config(
     being checked again."""
     options = model.options
     if model.name in BUILTIN_MODELS:
-        defaults = MODEL_OPTIONS[model.name]
-        # YAML's `dropout: 0` is an int; the model gets the float that check_options gives
-        floats = {k: float(v) for k, v in options.items() if isinstance(defaults.get(k), float)}
-        options = {**defaults, **options, **floats}
+        options = with_defaults(model.name, options)
     return _build(model.name, options, seed=seed, activation_checkpointing=activation_checkpointing)
 
 
