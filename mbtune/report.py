@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mbtune.lattice import BatchConfig, as_flag
+from mbtune.lattice import BatchConfig
 
 if TYPE_CHECKING:
     from mbtune.config import Experiment
@@ -121,11 +121,11 @@ def trial_line(row: Row) -> str:
     figure = f"{float(speed):,.1f} samples/s" if _known(speed) else "-"
     figure += f", MFU {float(mfu):.0%}" if _known(mfu) else ""
     status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
-    step = step_suffix(row.get("precision"), as_flag(row.get("activation_checkpointing", False)))
+    config = BatchConfig.from_mapping(row)
+    step = step_suffix(row.get("precision"), config.activation_checkpointing)
     return (
-        f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  num_devices "
-        f"{row['num_devices']}, batch_size {row['batch_size']}, micro_batch_size "
-        f"{row['micro_batch_size']}{step}: {figure}  {status}"
+        f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  {sizes(config)}{step}: "
+        f"{figure}  {status}"
     )
 
 
