@@ -19,7 +19,7 @@ import pandas as pd
 
 from mbtune import analysis
 from mbtune.errors import MbtuneError
-from mbtune.export import FRAMEWORKS, export_config
+from mbtune.export import check_framework, export_config
 from mbtune.report import export_header
 from mbtune.runs import RunInfo, load_run, run_info
 
@@ -40,10 +40,7 @@ def analyze(
             f"analyze: give one run directory, or two to compare; got {len(run_dirs)}"
         )
     if export is not None:
-        if export not in FRAMEWORKS:
-            raise MbtuneError(
-                f"--export: unknown framework {export!r}; valid: {', '.join(FRAMEWORKS)}"
-            )
+        check_framework(export)  # before any run is read
         if len(run_dirs) != 1:
             raise MbtuneError("--export: give one run directory (its recommendation is exported)")
     runs = [(load_run(path), run_info(path)) for path in run_dirs]

@@ -23,7 +23,15 @@ from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
 from mbtune.report import micro_batches, per_device_split
 
-__all__ = ["FRAMEWORKS", "PRECISIONS", "RULES", "Export", "expressible", "export_config"]
+__all__ = [
+    "FRAMEWORKS",
+    "PRECISIONS",
+    "RULES",
+    "Export",
+    "check_framework",
+    "expressible",
+    "export_config",
+]
 
 FRAMEWORKS = ("cerebras", "composer", "deepspeed", "hf", "lightning", "megatron")
 
@@ -68,6 +76,14 @@ class Export:
         return _filename(self.framework)
 
 
+def check_framework(framework: str) -> None:
+    """Refuse a framework mbtune cannot export to, in one line naming the valid ones."""
+    if framework not in FRAMEWORKS:
+        raise MbtuneError(
+            f"--export: unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}"
+        )
+
+
 def export_config(
     framework: str,
     config: BatchConfig,
@@ -83,10 +99,7 @@ def export_config(
     or ``config``'s own) in the framework's own keys, or a note where it has none.
     ``header`` becomes a comment where the format has comments (YAML, Python, arguments;
     not JSON)."""
-    if framework not in FRAMEWORKS:
-        raise MbtuneError(
-            f"--export: unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}"
-        )
+    check_framework(framework)
     if precision not in PRECISIONS:
         raise MbtuneError(
             f"--export: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}"
