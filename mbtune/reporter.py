@@ -139,7 +139,7 @@ class Reporter:
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
-        value = float(best["objective"])
+        value = a.value  # every look pooled, as the stream's recommendation has it
         user = pooled.get(self.user_config.canonical(), {}) if self.user_config else {}
         user_value = as_number(user.get("objective"))
         out.update(
