@@ -116,14 +116,14 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     return parse_experiment(raw, source=path)
 
 
-def load_run_experiment(run_dir: str | Path, *, flag: str = "RUN_DIR") -> Experiment:
+def load_run_experiment(run_dir: str | Path) -> Experiment:
     """The typed experiment a run directory saved (its ``experiment.yaml``).
 
     The saved experiment is resolved (Experiment.to_dict: the table's absolute path, the
     space inline), and reading it opens no file it names: a run whose replay table or
     user model is gone still reads, as long as it is a valid experiment.
     """
-    run = RunDir.open(run_dir, flag=flag)
+    run = RunDir.open(run_dir)
     return load_experiment(run.experiment_file)
 
 
