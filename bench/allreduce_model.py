@@ -10,7 +10,7 @@ barrier, and its time is the slowest rank's (as the ddp trial times its all-redu
 
 The model is the trial engine's ring all-reduce,
 t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency,
-(1) with the GPU interconnect figures (25 GB/s, 10 us: mbtune.config.LINKS['cuda'], the
+(1) with the GPU interconnect figures (25 GB/s, 10 us: mbtune.config.load.LINKS['cuda'], the
 default for every device before this benchmark set the CPU's) and
 (2) with bandwidth and latency fitted to the n = 2 medians (least squares on the relative
 error, so that the small sizes count as much as the large). The fitted model is then also
@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 from _common import QUICKSTART, machine, save, table, wait_for_quiet
 
-from mbtune.config import load_experiment
-from mbtune.models import build_model
-from mbtune.trial import ring_allreduce_s
+from mbtune.config.load import load_experiment
+from mbtune.models.build import build_model
+from mbtune.trial.trial import ring_allreduce_s
 
 NAME = "allreduce_model"
 DEFAULT_BANDWIDTH = 25e9
@@ -102,7 +102,7 @@ def compare_trials(bandwidth: float, latency: float) -> list[dict]:
     import torch
 
     from mbtune.lattice import BatchConfig
-    from mbtune.trial import run_trial
+    from mbtune.trial.trial import run_trial
 
     base = ["trial.compile=false", "trial.warmup_steps=2", "trial.measure_steps=10"]
     arms = {

@@ -5,7 +5,7 @@ this machine (gpt_cpu.csv) with its runner-up moved to exactly 4 % below the bes
 (num_devices 2, micro_batch_size 4: 834.8 samples/s; then micro_batch_size 8: 802.7).
 A search runs in-process exactly as `mbtune run` drives one, with the real pieces: the
 searcher of `search.sampler` (`mbtune.search.make_searcher`, re-measurement included),
-each trial replayed by the trial engine (`mbtune.trial.trial_metrics`, `backend: replay`)
+each trial replayed by the trial engine (`mbtune.trial.trial.trial_metrics`, `backend: replay`)
 with `trial.noise: 0.03` per step and `trial.drift` (default 0.035: one seeded factor per
 trial, the drift bench/search_noise.py measured on this machine), and after every trial
 the run's search model scores the recommendation; the search stops once
@@ -28,11 +28,11 @@ import warnings
 
 from _common import BENCH, machine, save
 
-from mbtune.confidence import observation
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
+from mbtune.recommend.confidence import observation
 from mbtune.search import make_searcher, search_points, settled
-from mbtune.trial import trial_metrics
+from mbtune.trial.trial import trial_metrics
 
 TABLE = BENCH / "landscapes" / "close_call.csv"
 TARGET = 90

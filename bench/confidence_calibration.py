@@ -5,7 +5,7 @@ a search runs trial by trial in-process, exactly as `mbtune run` would drive it:
 searcher of `search.sampler` (`mbtune.search.make_searcher`, deduplication included)
 proposes, each trial reports 5 step times with 3% seeded noise each (as `trial.noise:
 0.03` replays them), and after every trial the reporter's confidence model
-(`mbtune.confidence.assess`, the function `mbtune run` calls) recommends a configuration
+(`mbtune.recommend.confidence.assess`, the function `mbtune run` calls) recommends a configuration
 and scores it. A recommendation is *right* when its true throughput is within 2% of the
 landscape's best. Every (score, right) pair of every trial of every seed goes into
 10-point bins: the reliability table compares each bin's mean score with how often it was
@@ -47,8 +47,8 @@ from collections.abc import Iterable
 from _common import BENCH, machine, save
 from search_efficiency import drawn_landscapes, landscapes, replay_search
 
-from mbtune.confidence import SearchModel, observation
-from mbtune.experiment import DEFAULT_NOISE_FLOOR
+from mbtune.config.experiment import DEFAULT_NOISE_FLOOR
+from mbtune.recommend.confidence import SearchModel, observation
 from mbtune.search import settled
 
 TARGET = 90

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from _common import machine, save, table
 
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.search import run_search, search_points
 
 
@@ -64,7 +64,7 @@ def ray_processes_kib(root: int) -> tuple[int, int]:
         pid = stack.pop()
         stack += children.get(pid, [])
         try:
-            if b"mbtune.trial" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"mbtune.trial.trial" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
         except OSError:
             continue

@@ -2,9 +2,9 @@
 
 Method. A fixed set of configurations (the quickstart GPT on one device, micro-batch sizes
 2, 4, 8, 16 and 32, compiled as in the quickstart) is measured three ways: (1) a plain
-loop in one process calling `mbtune.trial.run_trial` for each configuration (with
+loop in one process calling `mbtune.trial.trial.run_trial` for each configuration (with
 `torch._dynamo.reset()` between trials); (2) a plain loop that runs each trial in a
-fresh process exactly as a search does (`mbtune.launch.measure_in_subprocess`), with no
+fresh process exactly as a search does (`mbtune.trial.launch.measure_in_subprocess`), with no
 Ray and no Optuna; (3) `mbtune run` with the `grid` sampler over exactly those
 configurations: Ray started embedded, Optuna's storage, every trial in its own process.
 One untimed pass of (1) fills the compile cache first, so every arm compiles from a warm
@@ -39,9 +39,9 @@ OVERRIDES = [
 def plain_loop() -> float:
     import torch._dynamo
 
-    from mbtune.config import load_experiment
+    from mbtune.config.load import load_experiment
     from mbtune.lattice import BatchConfig
-    from mbtune.trial import run_trial
+    from mbtune.trial.trial import run_trial
 
     started = time.perf_counter()
     exp = load_experiment(QUICKSTART, OVERRIDES)
@@ -53,10 +53,10 @@ def plain_loop() -> float:
 
 
 def subprocess_loop() -> float:
-    from mbtune.config import load_experiment
+    from mbtune.config.load import load_experiment
     from mbtune.lattice import BatchConfig
-    from mbtune.launch import measure_in_subprocess
-    from mbtune.trial import TrialRequest
+    from mbtune.trial.launch import measure_in_subprocess
+    from mbtune.trial.trial import TrialRequest
 
     started = time.perf_counter()
     exp = load_experiment(QUICKSTART, OVERRIDES)

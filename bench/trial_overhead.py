@@ -8,7 +8,7 @@ machine hits both alike), after one untimed run of each (lazy imports, allocator
   trial  ``run_trial(exp, BatchConfig(32, 1, 8))``; its ``TrialResult.wall_s``
          (build, data, the first step, warm-up and timed steps, bookkeeping);
   bare   a minimal hand-written loop timed with perf_counter from the start: build the
-         same model with ``mbtune.models.build_model``, make the same data, slice the same
+         same model with ``mbtune.models.build.build_model``, make the same data, slice the same
          micro-batches, AdamW, then 1 + warmup_steps untimed steps (the trial's first step
          plus its warm-up) and measure_steps timed ones, each micro-batch loss weighted by
          its share of the batch.
@@ -18,7 +18,7 @@ Before each round the script waits (up to 30 s) for the shared machine to be nea
 Reported: the median wall time of each, their ratio (trial / bare), the median of the
 per-round ratios, and both median step times (a check that both time the same work).
 As a diagnostic, each round also times one full ``gc.collect()`` in this process: a CUDA
-trial ends with one (``mbtune.memory.release``; a CPU trial's process ends instead) and
+trial ends with one (``mbtune.trial.memory.release``; a CPU trial's process ends instead) and
 the bare loop does not.
 
 Target: trial wall time <= 1.2x the bare loop (compile off, so there is no compile time
@@ -35,10 +35,10 @@ import time
 import torch
 from _common import QUICKSTART, machine, save, table, wait_for_quiet
 
-from mbtune.config import load_experiment
+from mbtune.config.load import load_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.models import build_model
-from mbtune.trial import run_trial
+from mbtune.models.build import build_model
+from mbtune.trial.trial import run_trial
 
 NAME = "trial_overhead"
 TARGET_RATIO = 1.2

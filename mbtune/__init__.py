@@ -1,19 +1,20 @@
 """mbtune: find the fastest batch size, micro-batch size and device count for a model.
 
 The package imports neither torch nor ray; the modules that need them import them when
-they are used. ``load_run`` and ``load_runs`` (mbtune.analysis) import pandas on first use.
+they are used. ``load_run`` and ``load_runs`` (mbtune.analysis.frames) import pandas on first use.
 """
 
 from typing import Any
 
-from mbtune.config import Experiment, load_experiment
+from mbtune.config.experiment import Experiment
+from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 
 __all__ = ["BatchConfig", "Experiment", "MbtuneError", "load_experiment", "load_run", "load_runs"]
 __version__ = "0.1.0"
 
-_LAZY = {"load_run": "mbtune.analysis", "load_runs": "mbtune.analysis"}
+_LAZY = {"load_run": "mbtune.analysis.frames", "load_runs": "mbtune.analysis.frames"}
 
 
 def __getattr__(name: str) -> Any:

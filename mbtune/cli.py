@@ -10,11 +10,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from mbtune.config import ConfigError, Experiment, load_experiment
+from mbtune.config.experiment import Experiment
+from mbtune.config.load import load_experiment
+from mbtune.config.rules import ConfigError
+from mbtune.config.starter import DEVICES, MODES, write_starter
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.report import experiment_lines, micro_batches, result_lines
-from mbtune.starter import DEVICES, MODES, write_starter
 
 __all__ = ["main", "space_rows"]
 
@@ -255,7 +257,7 @@ def check_user_model(exp: Experiment) -> None:
     """Import a user model and check its contract now, before anything is measured (a
     Hugging Face model is built on torch's meta device: its size costs nothing)."""
     if not exp.model.is_builtin:
-        from mbtune.models import check_model
+        from mbtune.models.build import check_model
 
         check_model(exp.model)
 
@@ -335,7 +337,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from mbtune.analyze import analyze
+    from mbtune.analysis.analyze import analyze
 
     analyze(args.runs, fmt=args.format, export=args.export, plots=not args.no_plots)
     return 0
@@ -347,7 +349,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def _trial(args: argparse.Namespace) -> int:
     from mbtune.progress import one_trial
-    from mbtune.trial import run_trial
+    from mbtune.trial.trial import run_trial
 
     exp = load_experiment(args.experiment, args.overrides)
     config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)

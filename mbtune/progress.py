@@ -36,7 +36,7 @@ __all__ = [
     "phase_pipe", "phase_writer", "shown", "started",
 ]  # fmt: skip
 
-PhaseHook = Callable[[str, int, int], None]  # as mbtune.trial.PhaseHook
+PhaseHook = Callable[[str, int, int], None]  # as mbtune.trial.trial.PhaseHook
 
 PHASE_FD_FLAG = "--phase-fd"
 """``python -m mbtune.trial --phase-fd N``: write each phase to file descriptor N."""

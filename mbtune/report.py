@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mbtune.lattice import BatchConfig
 
 if TYPE_CHECKING:
-    from mbtune.config import Experiment
-    from mbtune.trial import TrialResult
+    from mbtune.config.experiment import Experiment
+    from mbtune.trial.trial import TrialResult
 
 __all__ = [
     "RunRecommendation",
@@ -217,7 +217,7 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 class StreamRecommendation(Protocol):
-    """What the stream says of a recommendation (mbtune.reporter.Recommendation has it)."""
+    """What the stream says of a recommendation (reporter.Recommendation has it)."""
 
     @property
     def time(self) -> str:
@@ -249,7 +249,7 @@ def stream_line(rec: StreamRecommendation) -> str:
 
 
 class RunRecommendation(Protocol):
-    """What ``mbtune analyze`` says of a run's recommendation (mbtune.analysis.Recommendation
+    """What ``mbtune analyze`` says of a run's recommendation (mbtune.analysis.frames.Recommendation
     has it)."""
 
     @property

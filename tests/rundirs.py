@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mbtune.lattice import BatchConfig
-from mbtune.rundir import RunDir
+from mbtune.runs.rundir import RunDir
 
 EXPERIMENT = {
     "name": "handmade",

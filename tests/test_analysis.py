@@ -14,11 +14,11 @@ import pytest
 from rundirs import FINISHED_ROWS, finished_run, make_run, trial_row
 
 import mbtune
-from mbtune import analysis
-from mbtune.analysis import COLUMNS, load_run, load_runs
-from mbtune.config import parse_experiment
+from mbtune.analysis import frames as analysis
+from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
-from mbtune.rundir import TRIAL_COLUMNS
+from mbtune.runs.load import COLUMNS, load_run, load_runs
+from mbtune.runs.rundir import TRIAL_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,7 +132,7 @@ def test_a_row_cut_between_its_carriage_return_and_newline_is_complete(tmp_path)
 def test_a_killed_run_that_was_resumed_drops_only_the_half_row(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS[:3])
     _kill_mid_row(path, 20)
-    from mbtune.rundir import RunDir
+    from mbtune.runs.rundir import RunDir
 
     RunDir(path).append_trial({"trial": 4, **FINISHED_ROWS[3]})  # cuts the half row off first
     RunDir(path).append_trial({"trial": 5, **FINISHED_ROWS[4]})
@@ -187,7 +187,7 @@ def test_the_package_exports_the_loaders_without_importing_pandas_early():
     code = (
         "import sys, mbtune; assert 'pandas' not in sys.modules; "
         "from mbtune import load_run, load_runs; assert 'pandas' in sys.modules; "
-        "import mbtune.analysis, mbtune.export, mbtune.plots; "
+        "import mbtune.analysis.frames, mbtune.analysis.export, mbtune.analysis.plots; "
         "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
@@ -317,7 +317,7 @@ def test_render_table_formats(tmp_path):
 def test_the_docs_column_table_is_the_record_schema():
     from pathlib import Path
 
-    from mbtune import record
+    from mbtune.runs import record
 
     docs = (Path(__file__).parent.parent / "docs" / "analysis.md").read_text()
     assert record.markdown_table() in docs
@@ -326,7 +326,7 @@ def test_the_docs_column_table_is_the_record_schema():
 def test_every_trial_result_field_is_a_column_of_trials_csv():
     import dataclasses
 
-    from mbtune.trial import TrialResult
+    from mbtune.trial.trial import TrialResult
 
     fields = {f.name for f in dataclasses.fields(TrialResult)}
     assert fields <= set(TRIAL_COLUMNS)
@@ -375,7 +375,7 @@ def test_repeats_are_shown_with_their_spread_in_the_report_and_the_plot(tmp_path
     pytest.importorskip("matplotlib")
     from matplotlib.collections import LineCollection
 
-    from mbtune.plots import throughput_figure
+    from mbtune.analysis.plots import throughput_figure
 
     ax = throughput_figure(trials, title="r").axes[0]
     bars = [c for c in ax.collections if isinstance(c, LineCollection)]

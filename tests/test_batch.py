@@ -1,4 +1,4 @@
-"""Tests for mbtune.batch: a micro-batch keeps the form of the batch it is cut from."""
+"""Tests for mbtune.models.batch: a micro-batch keeps the form of the batch it is cut from."""
 
 import collections
 from collections import UserDict
@@ -6,7 +6,7 @@ from collections import UserDict
 import pytest
 import torch
 
-from mbtune.batch import batch_tensors, num_samples, slice_batch
+from mbtune.models.batch import batch_tensors, num_samples, slice_batch
 
 Pair = collections.namedtuple("Pair", "x y")
 X, Y = torch.arange(10).view(5, 2), torch.arange(5)
@@ -51,5 +51,5 @@ def test_the_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, mbtune.batch; assert 'torch' not in sys.modules"
+    code = "import sys, mbtune.models.batch; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -393,7 +393,9 @@ def test_analyze_exports_the_precision_and_checkpointing_measured(capsys, tmp_pa
 
 def test_analyze_is_a_thin_shell_over_one_function(capsys, monkeypatch):
     seen = []
-    monkeypatch.setattr("mbtune.analyze.analyze", lambda runs, **kw: seen.append((runs, kw)))
+    monkeypatch.setattr(
+        "mbtune.analysis.analyze.analyze", lambda runs, **kw: seen.append((runs, kw))
+    )
     assert run(capsys, "analyze", "a", "b", "--format", "csv", "--no-plots")[0] == 0
     assert run(capsys, "analyze", "a", "--export", "hf")[0] == 0
     assert seen == [

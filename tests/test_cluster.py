@@ -26,7 +26,7 @@ import pytest
 import yaml
 from local_cluster import LocalCluster, kill_session
 
-from mbtune.rundir import RunDir
+from mbtune.runs.rundir import RunDir
 
 MBTUNE = [sys.executable, "-m", "mbtune.cli"]
 
@@ -392,7 +392,10 @@ def test_a_cluster_runs_the_drivers_mbtune_and_an_embedded_ray_needs_no_shipping
 
     assert init_ray("auto", False, False) == ("h:1", None)
     shipped = ray_init[-1]["runtime_env"]["py_modules"]
-    assert shipped == [str(Path(mbtune.__file__).parent)] and Path(shipped[0], "trial.py").is_file()
+    assert (
+        shipped == [str(Path(mbtune.__file__).parent)]
+        and Path(shipped[0], "trial", "trial.py").is_file()
+    )
     assert init_ray(None, False, False) == (None, None)
     assert "runtime_env" not in ray_init[-1] and "address" not in ray_init[-1]
     # no --address, RAY_ADDRESS set (as `ray job submit` does): ray.init's rule, said aloud

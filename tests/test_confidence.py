@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from mbtune.confidence import MAX_SCORE, Observation, assess, relative_step_noise
 from mbtune.lattice import BatchConfig, enumerate_configs
+from mbtune.recommend.confidence import MAX_SCORE, Observation, assess, relative_step_noise
 
 # B = 64 on one device: m in 1, 2, 4, ..., 64 (7 distinct measurements)
 POINTS = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[1])
@@ -148,7 +148,7 @@ def test_devices_in_between_could_peak_when_only_the_ends_are_measured():
 
 
 def test_the_drift_between_trials_is_learnt_from_repeats_with_the_floor_as_prior():
-    from mbtune.confidence import DRIFT_PRIOR_DOF, between_trial_drift
+    from mbtune.recommend.confidence import DRIFT_PRIOR_DOF, between_trial_drift
 
     rng = random.Random(7)
     configs = [c(m) for m in (1, 2, 4, 8, 16, 32)]

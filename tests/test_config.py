@@ -6,26 +6,28 @@ from pathlib import Path
 
 import pytest
 
-from mbtune.config import (
-    ConfigError,
-    Experiment,
+from mbtune.config.experiment import Experiment
+from mbtune.config.load import (
+    apply_overrides,
+    load_experiment,
+    load_run_experiment,
+    parse_experiment,
+)
+from mbtune.config.rules import ConfigError, parse_memory
+from mbtune.config.schema import (
+    DEFAULT_SPACE,
     IntRange,
     ModelConfig,
     RayConfig,
     SearchConfig,
     SpaceConfig,
+    StartPoint,
     TrainInput,
     TrialConfig,
-    apply_overrides,
-    load_experiment,
-    load_run_experiment,
-    parse_experiment,
-    parse_memory,
 )
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.rundir import RunDir
-from mbtune.schema import DEFAULT_SPACE, StartPoint
+from mbtune.runs.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +132,7 @@ def test_drift_and_max_repeats_are_read_with_their_defaults(tmp_path):
 
 
 def test_the_modelled_link_defaults_to_the_trial_device_and_each_part_can_be_set():
-    from mbtune.config import LINKS
+    from mbtune.config.schema import LINKS
 
     default = make().trial
     assert default.link("cpu") == (LINKS["cpu"][0], LINKS["cpu"][1] * 1e-6)
@@ -341,7 +343,7 @@ def test_the_search_driver_does_not_import_torch(tmp_path):
 
     code = f"""
 import sys
-from mbtune.config import load_experiment
+from mbtune.config.load import load_experiment
 from mbtune.search import run_search
 exp = load_experiment('experiments/quickstart.yaml', [
     'trial.backend=replay', 'trial.table=bench/landscapes/gpt_cpu.csv',

@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 
-from mbtune import ddp
 from mbtune.cli import main
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.measure import rank_micro_batches, synced_step
 from mbtune.search import run_search, trial_resources
-from mbtune.trial import run_trial
+from mbtune.trial import ddp
+from mbtune.trial.measure import rank_micro_batches, synced_step
+from mbtune.trial.trial import run_trial
 
 # -- the DDP step: gradients ------------------------------------------------------------
 
@@ -37,7 +37,7 @@ def _gradient_rank(rank: int, world: int, init: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from mbtune.models import build_model
+    from mbtune.models.build import build_model
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -199,7 +199,7 @@ def test_too_many_workers_for_the_cluster_is_an_error_that_says_what_to_change(r
 def test_a_rank_stops_itself_at_the_deadline():
     """The watchdog ends the worker's process wherever the rank is stuck."""
     script = (
-        "import time\nfrom mbtune import ddp\n"
+        "import time\nfrom mbtune.trial import ddp\n"
         "ddp._run_rank = lambda exp, config: time.sleep(60)\n"
         "ddp._rank_main({'deadline': time.time() + 1, 'cwd': '.', 'experiment': None, "
         "'config': None})\n"

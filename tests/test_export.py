@@ -13,8 +13,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mbtune.analysis.export import FRAMEWORKS, PRECISIONS, export_config, expressible
 from mbtune.errors import MbtuneError
-from mbtune.export import FRAMEWORKS, PRECISIONS, export_config, expressible
 from mbtune.lattice import BatchConfig, num_microbatches
 
 # ---------------------------------------------------------------------------

@@ -16,14 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from mbtune import launch
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.launch import measure_in_subprocess
-from mbtune.reporter import Reporter
-from mbtune.rundir import RunDir
+from mbtune.recommend.reporter import Reporter
+from mbtune.runs.rundir import RunDir
 from mbtune.search import TrialLog, run_search
-from mbtune.trial import TrialRequest
+from mbtune.trial import launch
+from mbtune.trial.launch import measure_in_subprocess
+from mbtune.trial.trial import TrialRequest
 
 # A user model whose forward pass fails in a different way at each micro-batch size.
 FAULTY = """

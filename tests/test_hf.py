@@ -12,16 +12,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mbtune import hf  # noqa: E402
-from mbtune.batch import split_batch  # noqa: E402
 from mbtune.cli import main  # noqa: E402
-from mbtune.config import load_experiment, parse_experiment  # noqa: E402
+from mbtune.config.load import load_experiment, parse_experiment  # noqa: E402
+from mbtune.config.model_options import ModelError  # noqa: E402
 from mbtune.errors import MbtuneError  # noqa: E402
-from mbtune.hf import build_hf_model  # noqa: E402
 from mbtune.lattice import BatchConfig  # noqa: E402
-from mbtune.measure import accumulate_gradients  # noqa: E402
-from mbtune.models import ModelError, build_model, check_model  # noqa: E402
-from mbtune.trial import run_trial  # noqa: E402
+from mbtune.models import hf  # noqa: E402
+from mbtune.models.batch import split_batch  # noqa: E402
+from mbtune.models.build import build_model, check_model  # noqa: E402
+from mbtune.models.hf import build_hf_model  # noqa: E402
+from mbtune.trial.measure import accumulate_gradients  # noqa: E402
+from mbtune.trial.trial import run_trial  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -24,9 +24,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mbtune.models  # noqa: F401  (imports torch now, outside every example's time bound)
+import mbtune.models.build  # noqa: F401  (imports torch now, outside every example's time bound)
 from mbtune.cli import main
-from mbtune.config import Experiment, load_experiment, parse_experiment
+from mbtune.config.experiment import Experiment
+from mbtune.config.load import load_experiment, parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 

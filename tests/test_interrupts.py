@@ -56,7 +56,7 @@ def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3):
 
 
 def rows(run: Path) -> list[dict]:
-    from mbtune.rundir import RunDir
+    from mbtune.runs.rundir import RunDir
 
     return RunDir(run).trials()
 

@@ -15,7 +15,8 @@ def test_the_pure_cores_import_neither_torch_nor_ray():
     import subprocess
 
     code = (
-        "import sys, mbtune.lattice, mbtune.config, mbtune.confidence, mbtune.reporter; "
+        "import sys, mbtune.lattice, mbtune.config.load, mbtune.recommend.confidence, "
+        "mbtune.recommend.reporter; "
         "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

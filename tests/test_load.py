@@ -10,7 +10,7 @@ import csv
 
 import pytest
 
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.search import run_search, search_points
 
 TRIALS = 200

@@ -1,4 +1,4 @@
-"""Tests for mbtune.models: the built-ins, user models, batch mixing, exact accumulation."""
+"""Tests for mbtune.models.build: the built-ins, user models, batch mixing, exact accumulation."""
 
 import copy
 import sys
@@ -10,21 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mbtune import models
-from mbtune.batch import num_samples, split_batch
-from mbtune.config import parse_experiment
-from mbtune.measure import accumulate_gradients
-from mbtune.models import (
-    BUILTIN_MODELS,
-    MODEL_OPTIONS,
-    ModelError,
-    ModelSpec,
-    batch_mixing_reason,
-    build_from_config,
-    build_model,
-    check_model,
-    slice_batch,
-)
+from mbtune.config.load import parse_experiment
+from mbtune.config.model_options import MODEL_OPTIONS, ModelError
+from mbtune.models import build as models
+from mbtune.models.batch import num_samples, slice_batch, split_batch
+from mbtune.models.build import BUILTIN_MODELS, build_from_config, build_model, check_model
+from mbtune.models.spec import ModelSpec, batch_mixing_reason
+from mbtune.trial.measure import accumulate_gradients
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

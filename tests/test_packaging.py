@@ -45,4 +45,4 @@ def test_the_wheel_and_the_sdist_carry_the_search_spaces(tmp_path):
     for name in SPACES:
         assert f"mbtune/search_spaces/{name}" in in_wheel
         assert f"mbtune/search_spaces/{name}" in in_sdist
-    assert "mbtune/__main__.py" in in_wheel and "mbtune/starter.py" in in_wheel
+    assert "mbtune/__main__.py" in in_wheel and "mbtune/config/starter.py" in in_wheel

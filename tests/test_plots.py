@@ -6,8 +6,8 @@ import sys
 import pytest
 from rundirs import EXPERIMENT, FINISHED_ROWS, PNG_MAGIC, finished_run, make_run, trial_row
 
-from mbtune import plots
-from mbtune.analysis import load_run, run_info
+from mbtune.analysis import plots
+from mbtune.runs.load import load_run, run_info
 
 
 def legend_labels(fig):
@@ -104,7 +104,7 @@ def test_plotting_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS)
     code = (
         "import matplotlib; matplotlib.use('svg'); "
-        "from mbtune import plots, analysis; "
+        "from mbtune.analysis import plots, frames as analysis; "
         f"plots.write_plots(analysis.load_run({str(path)!r}), analysis.run_info({str(path)!r})); "
         "import sys; sys.exit(0 if matplotlib.get_backend() == 'svg' else 1)"
     )

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from mbtune import progress
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.launch import measure_in_subprocess
-from mbtune.trial import TrialRequest
+from mbtune.trial.launch import measure_in_subprocess
+from mbtune.trial.trial import TrialRequest
 
 STAMP = r"mbtune \d\d:\d\d:\d\d  "
 MBTUNE = [sys.executable, "-m", "mbtune"]

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mbtune import analysis, report
+from mbtune import report
+from mbtune.analysis import frames as analysis
 from mbtune.lattice import BatchConfig
-from mbtune.reporter import Recommendation
+from mbtune.recommend.reporter import Recommendation
 
 
 @pytest.mark.parametrize(

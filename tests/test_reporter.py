@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mbtune.confidence import observation
 from mbtune.lattice import BatchConfig, enumerate_configs
-from mbtune.reporter import Reporter
-from mbtune.rundir import RunDir
+from mbtune.recommend.confidence import observation
+from mbtune.recommend.reporter import Reporter
+from mbtune.runs.rundir import RunDir
 
 POINTS = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
 LINE = re.compile(

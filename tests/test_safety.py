@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from mbtune.config import load_experiment, parse_experiment
+from mbtune.config.load import load_experiment, parse_experiment
 from mbtune.errors import MbtuneError
-from mbtune.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 VALID = "name: x\nmodel: mlp\ntrain_input: {batch_size: 8}\n"
@@ -37,7 +37,7 @@ def test_yaml_is_only_parsed_with_the_safe_loader():
         if UNSAFE_YAML.search(line)
     ]
     assert offenders == []
-    assert "yaml.safe_load(" in (ROOT / "mbtune" / "config.py").read_text()  # not vacuous
+    assert "yaml.safe_load(" in (ROOT / "mbtune" / "config" / "load.py").read_text()  # not vacuous
     assert UNSAFE_YAML.search("data = yaml.load(text, Loader=yaml.Loader)")  # the net holds
 
 

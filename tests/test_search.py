@@ -5,11 +5,11 @@ import textwrap
 
 import pytest
 
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.launch import measure_in_subprocess
 from mbtune.search import run_search
-from mbtune.trial import TrialRequest
+from mbtune.trial.launch import measure_in_subprocess
+from mbtune.trial.trial import TrialRequest
 
 TABLE = """batch_size,num_devices,micro_batch_size,samples_per_s,status
 32,1,1,100,ok
@@ -185,7 +185,7 @@ def test_run_refuses_bad_directories_and_addresses(tmp_path, capsys):
 
 
 def test_a_row_cut_short_by_a_killed_driver_is_skipped_and_not_glued_to_the_next(tmp_path):
-    from mbtune.rundir import RunDir
+    from mbtune.runs.rundir import RunDir
 
     run = RunDir.create(tmp_path, "cut")
     row = {"trial": 1, "trial_id": "a", "status": "ok", "batch_size": 32, "num_devices": 1,
@@ -199,7 +199,7 @@ def test_a_row_cut_short_by_a_killed_driver_is_skipped_and_not_glued_to_the_next
 
 
 def test_a_run_begun_by_an_older_mbtune_keeps_its_columns(tmp_path):
-    from mbtune.rundir import TRIAL_COLUMNS, RunDir
+    from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
 
     run = RunDir.create(tmp_path, "old")
     older = [c for c in TRIAL_COLUMNS if c != "node_id"]  # before trials recorded their node
@@ -231,8 +231,8 @@ def test_the_callbacks_still_pickle_once_ray_has_replaced_print(tmp_path, monkey
 
     from ray import cloudpickle
 
-    from mbtune.reporter import Reporter
-    from mbtune.rundir import RunDir
+    from mbtune.recommend.reporter import Reporter
+    from mbtune.runs.rundir import RunDir
     from mbtune.search import ConfidenceStop, TrialLog, print_line
 
     original = builtins.print

@@ -3,8 +3,8 @@
 import pytest
 from ray.tune.search import Searcher
 
-from mbtune.confidence import SearchModel
 from mbtune.lattice import BatchConfig, enumerate_configs
+from mbtune.recommend.confidence import SearchModel
 from mbtune.search import (
     METRIC,
     GridSearcher,
@@ -188,7 +188,7 @@ def test_the_model_sampler_starts_on_most_devices_and_goes_where_the_best_is_lik
 
 
 def test_a_restored_searcher_learns_what_finished_after_its_last_save(tmp_path):
-    from mbtune.rundir import RunDir
+    from mbtune.runs.rundir import RunDir
 
     run = RunDir.create(tmp_path, "r")
     searcher = make_searcher("tpe", POINTS, seed=0, ledger=run.trials_file)
@@ -211,7 +211,7 @@ LEADER = BatchConfig(32, 2, 8)
 
 
 def assessment(confidence, looks, threat):
-    from mbtune.confidence import Assessment
+    from mbtune.recommend.confidence import Assessment
 
     return Assessment(LEADER, 1.0, confidence, confidence / 100, 11, 0,
                       threat=threat, looks=looks)  # fmt: skip

@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from mbtune.cli import main
-from mbtune.config import load_experiment
-from mbtune.starter import MODES
+from mbtune.config.load import load_experiment
+from mbtune.config.starter import MODES
 
 
 def init(capsys, *argv):

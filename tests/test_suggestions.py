@@ -17,10 +17,12 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mbtune import export, lattice
-from mbtune.config import ConfigError, TrainInput
+from mbtune import lattice
+from mbtune.analysis import export
+from mbtune.config.rules import ConfigError
+from mbtune.config.schema import TrainInput
 from mbtune.lattice import BatchConfig
-from mbtune.reporter import Reporter
+from mbtune.recommend.reporter import Reporter
 
 LIST = r"\d+(?:\.\.\d+|(?:, \d+)*)"
 BATCH = (

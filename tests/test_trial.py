@@ -9,20 +9,15 @@ import pytest
 import torch
 
 from mbtune.cli import main
-from mbtune.collectives import OneProcess
-from mbtune.config import parse_experiment
+from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.measure import Measurement, measure
-from mbtune.models import build_model
-from mbtune.replay import ReplayTable
-from mbtune.trial import (
-    accumulate_gradients,
-    result_of,
-    ring_allreduce_s,
-    run_trial,
-    split_batch,
-)
+from mbtune.models.batch import split_batch
+from mbtune.models.build import build_model
+from mbtune.trial.collectives import OneProcess
+from mbtune.trial.measure import Measurement, accumulate_gradients, measure
+from mbtune.trial.replay import ReplayTable
+from mbtune.trial.trial import result_of, ring_allreduce_s, run_trial
 
 
 def experiment(model="mlp", batch_size=16, micro="auto", trial=None, **train_input):

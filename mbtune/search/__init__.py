@@ -1,11 +1,11 @@
 """The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed by Optuna
 or by the search model, and reported on as they finish.
 
-Each trial runs in a process of its own (mbtune.launch), started by the Ray trial actor,
+Each trial runs in a process of its own (mbtune.trial.launch), started by the Ray trial actor,
 so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial cannot touch
 another: the actor records what happened and the search goes on. With ``trial.parallel:
 ddp`` the trial actor instead fits a Ray Train run whose workers, one process per
-device, are that trial's own (see mbtune.ddp).
+device, are that trial's own (see mbtune.trial.ddp).
 
 The package's parts, private behind this surface: ``_run`` (the Tuner, resume, warm
 start), ``_searcher`` (what Tune asks for the next trial: proposals, the cache, another

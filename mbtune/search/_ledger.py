@@ -23,9 +23,9 @@ from ray.tune import Callback
 from mbtune import progress
 from mbtune.cluster import EXIT_CLUSTER_LOST
 from mbtune.lattice import BatchConfig
+from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line
-from mbtune.reporter import Reporter
-from mbtune.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import settled, unpack_result
 
 __all__ = [

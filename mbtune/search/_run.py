@@ -4,7 +4,7 @@ Each trial runs in a process of its own (``python -m mbtune.trial``), started by
 trial actor, so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial
 cannot touch another: the actor records what happened and the search goes on. With
 ``trial.parallel: ddp`` the trial actor instead fits a Ray Train run whose workers, one
-process per device, are that trial's own (see mbtune.ddp).
+process per device, are that trial's own (see mbtune.trial.ddp).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from mbtune import progress
 from mbtune.cluster import cluster_size, init_ray, token_note, watch_head
-from mbtune.confidence import SearchModel
-from mbtune.config import Experiment
+from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.launch import measure_in_subprocess, measure_with_ray_train
+from mbtune.recommend.confidence import SearchModel
+from mbtune.recommend.reporter import Reporter
 from mbtune.report import summary_lines
-from mbtune.reporter import Reporter
-from mbtune.rundir import RunDir
+from mbtune.runs.rundir import RunDir
 from mbtune.search._ledger import (
     ConfidenceStop,
     TrialLog,
@@ -39,7 +38,8 @@ from mbtune.search._ledger import (
 )
 from mbtune.search._searcher import make_searcher, one_look_reason, pack_result
 from mbtune.search._signals import graceful_stop
-from mbtune.trial import TrialRequest
+from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
+from mbtune.trial.trial import TrialRequest
 
 __all__ = [
     "RAY_DIR",
@@ -130,7 +130,7 @@ def resume_search(
     verbose: bool = False,
 ) -> SearchOutcome:
     """Continue an interrupted search: finished trials are kept, unfinished ones rerun."""
-    from mbtune.config import load_experiment
+    from mbtune.config.load import load_experiment
 
     run = RunDir.open(path, flag="--resume")
     exp = load_experiment(run.experiment_file)

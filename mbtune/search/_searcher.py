@@ -6,7 +6,7 @@ A proposal whose canonical configuration (the micro-batches it really runs) was 
 already is answered from the cache and the proposer asked again. A repeat is a fresh
 trial of a configuration measured before; repeats are pooled as observations of it, and
 their spread is how the search model learns the drift between trials
-(mbtune.confidence).
+(mbtune.recommend.confidence).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
-from mbtune.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.lattice import BatchConfig
+from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.report import another_look_line
 from mbtune.search._proposers import (
     METRIC,
@@ -375,7 +375,7 @@ class MbtuneSearcher(Searcher):
         killed between the two): trials.csv, written first, is the record."""
         if not self.ledger or not Path(self.ledger).exists():
             return
-        from mbtune.rundir import RunDir
+        from mbtune.runs.rundir import RunDir
 
         for row in RunDir(Path(self.ledger).parent).trials():
             if row.get("trial_id") and row["trial_id"] in self.finished_ids:

@@ -1,0 +1,269 @@
+"""A configuration as the snippet another training framework reads.
+
+Pure: integers in, text out. Each framework has its own rule for how the numbers must
+relate (DeepSpeed: train_batch_size = micro-batch x accumulation x world size), and most
+cannot express the uneven splits mbtune measures (devices or micro-batches that differ by
+one sample). Such a configuration is exported as the nearest one the framework can
+express, and every change is said in ``Export.notes``:
+
+1. the micro-batch size becomes the one that really ran (m = 5 on 8 samples runs two
+   micro-batches of 4: the same measurement as m = 4);
+2. the run's own recommended global batch for (n, m) is used where it has one;
+3. otherwise the batch size moves to the nearest one the framework accepts for the same
+   n and m (ties go up), as explore mode recommends a global batch (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from mbtune.config.schema import PRECISIONS as _TRIAL_PRECISIONS
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
+from mbtune.report import micro_batches, per_device_split
+
+__all__ = [
+    "FRAMEWORKS",
+    "PRECISIONS",
+    "RULES",
+    "Export",
+    "check_framework",
+    "expressible",
+    "export_config",
+]
+
+FRAMEWORKS = ("cerebras", "composer", "deepspeed", "hf", "lightning", "megatron")
+
+RULES = {
+    "cerebras": "batch_size divisible by num_csx, and batch_size / num_csx divisible by "
+    "micro_batch_size",
+    "composer": "global_train_batch_size divisible by the number of devices, and "
+    "device_train_microbatch_size at most the per-device batch",
+    "deepspeed": "train_batch_size = train_micro_batch_size_per_gpu x "
+    "gradient_accumulation_steps x world size",
+    "hf": "per_device_train_batch_size x gradient_accumulation_steps x devices = the global batch",
+    "lightning": "DataLoader batch_size x accumulate_grad_batches x devices = the global batch",
+    "megatron": "--global-batch-size divisible by --micro-batch-size x the data-parallel size",
+}
+"""How each framework requires the numbers to relate, in its own names."""
+
+PRECISIONS = tuple(p for p in _TRIAL_PRECISIONS if p != "auto")
+"""The precisions a snippet can say: a trial's, resolved (``auto`` is decided per device)."""
+
+_TF32_CALL = 'torch.set_float32_matmul_precision("high")'
+
+_SUFFIX = {
+    "cerebras": "yaml", "composer": "yaml", "deepspeed": "json", "hf": "json",
+    "lightning": "py", "megatron": "args",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Export:
+    """One framework's snippet for one configuration."""
+
+    framework: str
+    config: BatchConfig
+    """The configuration the snippet expresses (may differ from the measured one)."""
+    text: str
+    """The snippet, as the framework reads it."""
+    notes: tuple[str, ...] = ()
+    """What changed from the measured configuration and why, and how to launch it."""
+
+    @property
+    def filename(self) -> str:
+        return _filename(self.framework)
+
+
+def check_framework(framework: str) -> None:
+    """Refuse a framework mbtune cannot export to, in one line naming the valid ones."""
+    if framework not in FRAMEWORKS:
+        raise MbtuneError(
+            f"--export: unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}"
+        )
+
+
+def export_config(
+    framework: str,
+    config: BatchConfig,
+    *,
+    pipeline_stages: int = 1,
+    recommended_batch_size: int | None = None,
+    header: str | None = None,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+) -> Export:
+    """``config`` as ``framework``'s snippet, with the ``precision`` (fp32, tf32, bf16,
+    fp16) and the activation checkpointing that were measured (``activation_checkpointing``
+    or ``config``'s own) in the framework's own keys, or a note where it has none.
+    ``header`` becomes a comment where the format has comments (YAML, Python, arguments;
+    not JSON)."""
+    check_framework(framework)
+    if precision not in PRECISIONS:
+        raise MbtuneError(
+            f"--export: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}"
+        )
+    checkpointing = activation_checkpointing or config.activation_checkpointing
+    exported, notes = expressible(framework, config, recommended_batch_size)
+    b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
+    g = exported.grad_accum_steps
+    bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
+    comment = f"# {header}\n" if header else ""
+    launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
+    if pipeline_stages > 1:
+        launch += f" x {pipeline_stages} pipeline stages ({n * pipeline_stages} in all)"
+    if framework == "cerebras":
+        fp16_type = "  fp16_type: bfloat16\n" if bf16 else "  fp16_type: float16\n" * fp16
+        text = (
+            f"{comment}train_input:\n  batch_size: {b}\n  micro_batch_size: {m}\n"
+            f"model:\n  mixed_precision: {_yaml(bf16 or fp16)}\n{fp16_type}"
+            f"runconfig:\n  num_csx: {n}\n"
+        )
+    elif framework == "composer":
+        amp = "amp_bf16" if bf16 else "amp_fp16" if fp16 else "fp32"
+        text = (
+            f"{comment}# world size {n}: each device loads {b // n} samples per step\n"
+            f"global_train_batch_size: {b}\ndevice_train_microbatch_size: {m}\n"
+            f"precision: {amp}\n"
+        )
+    elif framework == "deepspeed":
+        # DeepSpeed trains in fp32 unless its bf16 or fp16 block is enabled
+        amp = {"bf16": {"enabled": True}} if bf16 else {"fp16": {"enabled": True}} if fp16 else {}
+        text = _json(
+            train_batch_size=b,
+            train_micro_batch_size_per_gpu=m,
+            gradient_accumulation_steps=g,
+            **amp,
+        )
+        notes.append(f"{launch} (DeepSpeed's world size {n})")
+    elif framework == "hf":
+        extra = {"tf32": True} if tf32 else {}
+        if checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
+            extra["gradient_checkpointing"] = True
+            extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            notes.append(
+                "transformers 5 names gradient_checkpointing(_kwargs) activation_checkpointing"
+                "(_kwargs); the old names, which 4.x needs, still work there (deprecated)"
+            )
+        text = _json(
+            per_device_train_batch_size=m,
+            gradient_accumulation_steps=g,
+            bf16=bf16,
+            fp16=fp16,
+            **extra,
+        )
+        notes.append(f"{launch}; pass the keys to transformers.TrainingArguments")
+    elif framework == "lightning":
+        mode = "bf16-mixed" if bf16 else "16-mixed" if fp16 else "32-true"
+        tf32_line = f"{_TF32_CALL}  # TF32 matmuls, as measured\n" if tf32 else ""
+        text = (
+            f"{comment}{tf32_line}"
+            f'trainer = Trainer(devices={n}, accumulate_grad_batches={g}, precision="{mode}")\n'
+            f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
+        )
+    else:
+        pipeline = f" --pipeline-model-parallel-size {pipeline_stages}" * (pipeline_stages > 1)
+        flags = " --bf16" * bf16 + " --fp16" * fp16
+        # mbtune recomputes whole transformer blocks: Megatron's full granularity, each layer
+        recompute = " --recompute-granularity full --recompute-method uniform"
+        recompute += " --recompute-num-layers 1"
+        text = (
+            f"{comment}# data-parallel size {n}: {g} micro-batches per step on each replica\n"
+            f"--micro-batch-size {m} --global-batch-size {b}{pipeline}{flags}"
+            f"{recompute * checkpointing}\n"
+        )
+    if framework in ("cerebras", "composer", "lightning", "megatron"):
+        notes.append(launch)
+    if framework == "cerebras" and (tf32 or checkpointing):
+        gpu_only = ["precision tf32"] * tf32 + ["activation checkpointing"] * checkpointing
+        notes.append(
+            f"{' and '.join(gpu_only)}: a GPU setting with no Cerebras counterpart (a CS-X "
+            "system manages its own memory and arithmetic); not exported"
+        )
+    elif tf32 and framework in ("composer", "deepspeed", "megatron"):
+        notes.append(
+            f"precision tf32: {framework} has no setting for it; call {_TF32_CALL} before "
+            "training (TF32 matmuls, fp32 everything else)"
+        )
+    if checkpointing and framework in ("composer", "deepspeed", "lightning"):
+        notes.append(
+            f"activation checkpointing: {framework} has no setting that turns it on for any "
+            "model; checkpoint the model's blocks as mbtune did (torch.utils.checkpoint."
+            "checkpoint(block, x, use_reentrant=False); a transformers model: "
+            "model.gradient_checkpointing_enable())"
+        )
+    return Export(framework, exported, text, tuple(notes))
+
+
+def expressible(
+    framework: str, config: BatchConfig, recommended_batch_size: int | None = None
+) -> tuple[BatchConfig, list[str]]:
+    """The configuration ``framework`` can express nearest to ``config``, and why it
+    differs (empty notes: it is ``config`` itself)."""
+    notes = []
+    n, m = config.num_devices, config.canonical_micro_batch_size
+    if m != config.micro_batch_size:
+        notes.append(
+            f"micro_batch_size {config.micro_batch_size} runs the per-device batch "
+            f"{config.per_device_batch} as {config.grad_accum_steps} micro-batches of at most "
+            f"{m}: exported as micro_batch_size {m} (the same measurement)"
+        )
+    b = config.batch_size
+    rb = recommended_batch_size
+    if rb and rb != b and _fits(framework, rb, n, m):
+        notes.append(
+            f"batch_size {rb} is the run's recommended global batch for num_devices {n} and "
+            f"micro_batch_size {m} (measured at batch_size {b})"
+        )
+        b = rb
+    if not _fits(framework, b, n, m):
+        nearest = _nearest(framework, b, n, m)
+        notes.append(
+            f"{framework} needs {RULES[framework]}, but batch_size {b} on {n} device"
+            f"{'s' if n > 1 else ''} with micro_batch_size {m} splits unevenly "
+            f"({per_device_split(BatchConfig(b, n, m))}): exported the nearest batch_size it "
+            f"can express, {nearest} ({per_device_split(BatchConfig(nearest, n, m))}), which "
+            "was not measured as such"
+        )
+        b = nearest
+    exported = BatchConfig(b, n, m)
+    whole, rest = divmod(b // n, m)  # composer cuts micro-batches of m and a shorter last one
+    # the same micro-batches as mbtune's even split exactly where the last is one short
+    if framework == "composer" and rest and rest != m - 1:
+        chunks = "+".join([str(m)] * whole + [str(rest)]) if whole < 8 else f"{whole}x{m}+{rest}"
+        notes.append(
+            f"composer splits the per-device batch {b // n} as {chunks} where mbtune measured "
+            f"{micro_batches(exported)} (as many micro-batches, the same largest one)"
+        )
+    return exported, notes
+
+
+def _fits(framework: str, batch_size: int, num_devices: int, micro_batch_size: int) -> bool:
+    if batch_size < num_devices or batch_size % num_devices:
+        return False  # no framework spreads a global batch unevenly over devices
+    per_device = batch_size // num_devices
+    if framework == "composer":  # composer cuts the last micro-batch short
+        return micro_batch_size <= per_device
+    return per_device % micro_batch_size == 0
+
+
+def _nearest(framework: str, batch_size: int, num_devices: int, micro_batch_size: int) -> int:
+    """The nearest batch size ``framework`` accepts for (n, m); a tie goes up. Above always
+    fits: it is a multiple of n (x m) with a per-device share of at least ceil(B / n) >= m."""
+    step = 1 if framework == "composer" else micro_batch_size
+    below, above = nearest_valid_batch_sizes(batch_size, num_devices, step)
+    fits = [c for c in (above, below) if c and _fits(framework, c, num_devices, micro_batch_size)]
+    return min(fits, key=lambda c: abs(c - batch_size))
+
+
+def _json(**values: object) -> str:
+    return json.dumps(values, indent=2) + "\n"
+
+
+def _yaml(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def _filename(framework: str) -> str:
+    return f"export-{framework}.{_SUFFIX[framework]}"

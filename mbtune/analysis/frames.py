@@ -1,0 +1,443 @@
+"""A run's trials ranked, pivoted and compared, and the report ``mbtune analyze`` prints.
+
+Pure: pandas and numpy, never torch nor ray, and no plotting (that is mbtune.analysis.plots).
+Reading a run directory is mbtune.runs.load (``load_run``, ``load_runs`` and ``run_info`` are
+here too, where they have always been); every sentence about a recommendation is
+mbtune.report.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig, LatticeError
+from mbtune.report import recommended_line, sizes
+from mbtune.runs.load import (
+    COLUMNS,
+    SIZES,
+    SUMMARY_FILE,
+    RunInfo,
+    load_recommendations,
+    load_run,
+    load_runs,
+    run_info,
+)
+
+__all__ = [
+    "COLUMNS",
+    "FORMATS",
+    "Recommendation",
+    "RunInfo",
+    "best_per_config",
+    "compare_report",
+    "compare_runs",
+    "has_ok_trial",
+    "load_recommendations",
+    "load_run",
+    "load_runs",
+    "ranked",
+    "ranked_ok",
+    "recommendation",
+    "no_ok_trial_message",
+    "render_table",
+    "repeat_spread",
+    "run_report",
+    "run_info",
+    "status_counts",
+    "status_pivot",
+    "throughput_pivot",
+]
+
+FORMATS = ("table", "csv", "json", "markdown")
+
+
+# ---------------------------------------------------------------------------
+# ranking and pivots
+
+
+def status_counts(trials: pd.DataFrame) -> dict[str, int]:
+    """How many trials ended in each status, ok first."""
+    counts = trials["status"].fillna("?").value_counts()
+    order = sorted(counts.index, key=lambda s: (s != "ok", s))
+    return {s: int(counts[s]) for s in order}
+
+
+def ranked(trials: pd.DataFrame) -> pd.DataFrame:
+    """The ok trials best first by objective (then the earlier trial), then every failed
+    trial in trial order; ``rank`` (1, 2, ... ; NA for a failed trial) comes first."""
+    score = trials["objective"].where(trials["objective"] > 0, trials["samples_per_s"])
+    ok = trials["status"].eq("ok") & score.notna()
+    order = pd.DataFrame({"ok": ~ok, "score": -score.fillna(0.0), "trial": trials["trial"]})
+    out = trials.loc[order.sort_values(["ok", "score", "trial"], kind="stable").index]
+    out = out.reset_index(drop=True)
+    rank = pd.array([*range(1, int(ok.sum()) + 1), *[pd.NA] * int((~ok).sum())], dtype="Int64")
+    out.insert(0, "rank", rank)
+    return out
+
+
+def ranked_ok(trials: pd.DataFrame) -> pd.DataFrame:
+    """The ok trials best first: :func:`ranked` without its failed rows (empty: none ran ok)."""
+    table = ranked(trials)
+    return table[table["rank"].notna()]
+
+
+def best_per_config(trials: pd.DataFrame) -> pd.DataFrame:
+    """One row per (batch_size, num_devices, micro_batch_size): its fastest ok trial, or,
+    where none was ok, its first trial (with its status)."""
+    if trials.empty:
+        return trials.copy()
+    order = trials.assign(_ok=trials["status"].ne("ok"), _speed=-trials["samples_per_s"])
+    order = order.sort_values(["_ok", "_speed", "trial"], na_position="last", kind="stable")
+    out = order.drop_duplicates(list(SIZES)).drop(columns=["_ok", "_speed"])
+    return out.sort_values(list(SIZES)[::-1]).reset_index(drop=True)
+
+
+def repeat_spread(trials: pd.DataFrame) -> pd.DataFrame:
+    """The configurations measured more than once (a search's further looks at a close
+    call): how many ok measurements, their median, lowest and highest samples/s, and their
+    relative spread (sd over mean): what the drift between trials looked like."""
+    keys = [*SIZES, "activation_checkpointing"]
+    ok = trials[trials["status"].eq("ok") & trials["samples_per_s"].notna()]
+    stats = ok.groupby(keys)["samples_per_s"].agg(["count", "median", "min", "max", "mean", "std"])
+    stats = stats[stats["count"] > 1]
+    out = stats.reset_index().rename(columns={
+        "count": "measurements", "median": "samples_per_s_median", "min": "samples_per_s_min",
+        "max": "samples_per_s_max",
+    })  # fmt: skip
+    out["spread"] = out["std"] / out["mean"]
+    return out.drop(columns=["mean", "std"]).sort_values(keys).reset_index(drop=True)
+
+
+def throughput_pivot(trials: pd.DataFrame, value: str = "samples_per_s") -> pd.DataFrame:
+    """``value`` over micro_batch_size (rows) x num_devices (columns): the best ok trial
+    of each cell (over batch sizes, where the run tried several); NaN where none was ok."""
+    ok = trials[trials["status"].eq("ok")]
+    table = ok.pivot_table(
+        index="micro_batch_size", columns="num_devices", values=value, aggfunc="max"
+    )
+    index = sorted(trials["micro_batch_size"].unique())
+    columns = sorted(trials["num_devices"].unique())
+    return table.reindex(index=index, columns=columns).rename_axis(
+        index="micro_batch_size", columns="num_devices"
+    )
+
+
+def status_pivot(trials: pd.DataFrame) -> pd.DataFrame:
+    """The pivot of :func:`throughput_pivot` as text: samples/s, or the status of a cell
+    where nothing was ok (oom, error, timeout), or '' where nothing was tried."""
+    speeds = throughput_pivot(trials)
+    failed = (
+        trials[trials["status"].ne("ok")]
+        .groupby(["micro_batch_size", "num_devices"])["status"]
+        .first()
+    )
+    text = speeds.map(lambda v: "" if pd.isna(v) else f"{v:,.1f}").astype(object)
+    for (m, n), status in failed.items():
+        if text.loc[m, n] == "":
+            text.loc[m, n] = str(status)
+    return text
+
+
+# ---------------------------------------------------------------------------
+# the recommendation
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The configuration a run recommends, and where that came from."""
+
+    config: BatchConfig
+    """The measured configuration (B, n, m)."""
+    samples_per_s: float | None
+    pipeline_stages: int
+    source: str
+    """``summary.json`` or ``best ok trial``."""
+    confidence: int | None = None
+    recommended_batch_size: int | None = None
+    """summary.json's global batch for (n, m), where it differs from the measured B."""
+    precision: str = "fp32"
+    """The arithmetic it was measured with (fp32 in runs from before it was recorded)."""
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.config.grad_accum_steps
+
+
+def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
+    """summary.json's ``recommended`` where the run wrote one, else the best ok trial."""
+    stages = int(trials["pipeline_stages"].iloc[0]) if len(trials) else 1
+    summary = info.summary or {}
+    rec = summary.get("recommended")
+    if isinstance(rec, Mapping):
+        try:
+            config = BatchConfig.from_mapping(rec)
+        except (KeyError, TypeError, ValueError, LatticeError) as e:
+            raise MbtuneError(
+                f"RUN_DIR: {info.path / SUMMARY_FILE}: 'recommended' needs batch_size, "
+                f"num_devices and micro_batch_size as positive whole numbers ({e})"
+            ) from None
+        speed = rec.get("samples_per_s")
+        global_batch = summary.get("recommended_batch_size")
+        confidence = summary.get("confidence")
+        return Recommendation(
+            config=config,
+            samples_per_s=float(speed) if isinstance(speed, int | float) else None,
+            pipeline_stages=stages,
+            source=SUMMARY_FILE,
+            precision=str(rec.get("precision") or "fp32"),
+            confidence=int(confidence) if isinstance(confidence, int | float) else None,
+            recommended_batch_size=global_batch
+            if isinstance(global_batch, int) and global_batch != config.batch_size
+            else None,
+        )
+    top = ranked_ok(trials)
+    if top.empty:
+        raise MbtuneError(no_ok_trial_message(trials, info.path))
+    best = top.iloc[0]
+    precision = best.get("precision")
+    return Recommendation(
+        config=BatchConfig.from_mapping(best),
+        samples_per_s=float(best["samples_per_s"]),
+        pipeline_stages=int(best["pipeline_stages"]),
+        source="best ok trial",
+        precision=str(precision) if isinstance(precision, str) and precision else "fp32",
+    )
+
+
+def no_ok_trial_message(trials: pd.DataFrame, path: Path) -> str:
+    """One line: why nothing can be ranked, plotted or exported."""
+    if trials.empty:
+        return f"RUN_DIR: {path} has no finished trial yet"
+    counts = ", ".join(f"{k} {v}" for k, v in status_counts(trials).items())
+    reasons = trials["reason"].dropna()
+    first = f"; first reason: {reasons.iloc[0]}" if len(reasons) else ""
+    return (
+        f"RUN_DIR: no trial of {path} ran successfully ({len(trials)} trials: {counts}"
+        f"{first}); nothing to rank, plot or export"
+    )
+
+
+# ---------------------------------------------------------------------------
+# two runs side by side
+
+
+def compare_runs(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """Runs ``a`` and ``b`` matched on (batch_size, num_devices, micro_batch_size).
+
+    One row per configuration measured in either: each run's samples/s and status (its
+    fastest ok trial of that configuration) and ``ratio`` = b / a where both ran ok.
+    """
+    keep = [*SIZES, "grad_accum_steps", "samples_per_s", "status"]
+    left, right = best_per_config(a)[keep], best_per_config(b)[keep]
+    both = left.merge(right, on=list(SIZES), how="outer", suffixes=("_a", "_b"))
+    both["grad_accum_steps"] = both.pop("grad_accum_steps_a").fillna(both.pop("grad_accum_steps_b"))
+    both["grad_accum_steps"] = both["grad_accum_steps"].astype("int64")
+    both_ok = both["status_a"].eq("ok") & both["status_b"].eq("ok")
+    # an oom on the CPU still has a measured speed (it was over the budget): no ratio
+    both["ratio"] = (both["samples_per_s_b"] / both["samples_per_s_a"]).where(both_ok)
+    both = both.sort_values(["num_devices", "batch_size", "micro_batch_size"])
+    columns = [*SIZES, "grad_accum_steps", "samples_per_s_a", "status_a", "samples_per_s_b",
+               "status_b", "ratio"]  # fmt: skip
+    return both[columns].reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------
+# reports: what `mbtune analyze` prints
+
+
+def has_ok_trial(trials: pd.DataFrame) -> bool:
+    return bool(trials["status"].eq("ok").any())
+
+
+def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
+    """One run for a person (``table``, ``markdown``): what the run was, its
+    recommendation, the ranked trials, the failed ones and the samples/s pivot. For a
+    program (``csv``, ``json``): the ranked table alone, every column, failed rows last."""
+    table = ranked(trials)
+    if fmt in ("csv", "json"):
+        return render_table(table, fmt)
+    counts = ", ".join(f"{v} {k}" for k, v in status_counts(trials).items())
+    state = (
+        f"status {info.summary.get('status', '?')}"
+        if info.summary is not None
+        else "no summary.json (interrupted, killed or still running)"
+    )
+    lines = [f"{info.path}: '{info.name}', {len(trials)} trials ({counts}); {state}"]
+    dropped = trials.attrs.get("dropped_rows", 0)
+    if dropped:
+        lines.append(
+            f"dropped {dropped} half-written row{'s' * (dropped > 1)} of trials.csv (the "
+            "driver died while writing)"
+        )
+    if has_ok_trial(trials) or (info.summary or {}).get("recommended"):
+        lines.append(recommended_line(recommendation(trials, info)))
+    sections = []
+    ok = table[table["rank"].notna()]
+    if len(ok):
+        sections.append((f"trials, best first by {info.objective}", _ranked_view(ok, info)))
+    spread = repeat_spread(trials)
+    if len(spread):
+        view = spread.drop(columns=["activation_checkpointing"])
+        sections.append(("configurations measured more than once (the drift between trials)",
+                         view))  # fmt: skip
+    failed = table[table["rank"].isna()]
+    if len(failed):
+        view = failed[["trial", *SIZES, "status", "reason"]]
+        sections.append(("failed trials", view))
+    if len(ok):
+        pivot = status_pivot(trials)
+        pivot.columns = [f"num_devices {n}" for n in pivot.columns]
+        several = " (best over batch sizes)" if trials["batch_size"].nunique() > 1 else ""
+        sections.append((f"samples/s by micro_batch_size x num_devices{several}",
+                         pivot.reset_index()))  # fmt: skip
+    floats = {
+        "samples_per_s": ",.1f", "samples_per_s_per_device": ",.1f", "step_time_ms_median": ".2f",
+        "step_time_ms_iqr": ".2f", "compile_s": ".1f", "peak_memory_mib": ",.0f",
+        "samples_per_s_median": ",.1f", "samples_per_s_min": ",.1f", "samples_per_s_max": ",.1f",
+        "spread": ".1%",
+    }  # fmt: skip
+    for title, view in sections:
+        lines.append("")
+        lines.append(f"**{title}**\n" if fmt == "markdown" else f"{title}:")
+        lines.append(render_table(view, fmt, floats=floats).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def _ranked_view(ok: pd.DataFrame, info: RunInfo) -> pd.DataFrame:
+    """The columns of the ranked table a person reads; optional ones only where measured."""
+    view = ok[["rank", "trial", *SIZES, "grad_accum_steps", "samples_per_s"]].copy()
+    if ok["repeat"].gt(0).any():
+        view.insert(2, "repeat", ok["repeat"])
+    if info.objective == "samples_per_s_per_device":
+        view["samples_per_s_per_device"] = ok["samples_per_s_per_device"]
+    view["step_time_ms_median"] = ok["step_time_ms_median"]
+    view["step_time_ms_iqr"] = ok["step_time_ms_iqr"]
+    if ok["compile_s"].notna().any():
+        view["compile_s"] = ok["compile_s"]
+    if ok["peak_memory_bytes"].notna().any():
+        view["peak_memory_mib"] = ok["peak_memory_bytes"] / 2**20
+    return view
+
+
+def compare_report(
+    a: pd.DataFrame, b: pd.DataFrame, info_a: RunInfo, info_b: RunInfo, fmt: str = "table"
+) -> str:
+    """Two runs side by side (see :func:`compare_runs`); csv and json: the table alone."""
+    table = compare_runs(a, b)
+    if fmt in ("csv", "json"):
+        return render_table(table, fmt)
+    lines = []
+    bests = []
+    for label, trials, info in (("a", a, info_a), ("b", b, info_b)):
+        top = ranked_ok(trials)
+        counts = ", ".join(f"{v} {k}" for k, v in status_counts(trials).items()) or "none"
+        if len(top):
+            r = top.iloc[0]
+            bests.append(float(r["samples_per_s"]))
+            speed = r["samples_per_s"]
+            best = f"best: {sizes(BatchConfig.from_mapping(r))}: {speed:,.1f} samples/s"
+        else:
+            best = "no trial ran ok"
+        lines.append(
+            f"{label}: {info.path} ('{info.name}', {len(trials)} trials: {counts}); {best}"
+        )
+    if len(bests) == 2:
+        lines.append(f"best of b / best of a: {bests[1] / bests[0]:.2f}x")
+    lines.append("")
+    lines.append(
+        "matched on (batch_size, num_devices, micro_batch_size); ratio = samples/s of b / a"
+        + (":" if fmt == "table" else "\n")
+    )
+    floats = {"samples_per_s_a": ",.1f", "samples_per_s_b": ",.1f", "ratio": ".2f"}
+    lines.append(render_table(table, fmt, floats=floats).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# text output
+
+
+def render_table(frame: pd.DataFrame, fmt: str, *, floats: Mapping[str, str] | None = None) -> str:
+    """``frame`` as text: an aligned ``table``, ``csv``, ``json`` (records) or ``markdown``.
+
+    ``floats`` maps a column to a format spec for table and markdown (csv and json keep
+    every digit). Missing values are blank (json: null); lists are space-separated in csv.
+    """
+    if fmt not in FORMATS:
+        raise MbtuneError(f"--format: unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if fmt == "json":
+        return frame.to_json(orient="records", date_format="iso") + "\n"
+    if fmt == "csv":
+        return _lists_as_text(frame).to_csv(index=False)
+    cells = _cells(frame, floats or {})
+    right = [_right_aligned(frame[c], cells[c]) for c in frame]
+    if fmt == "table":
+        widths = [max([len(str(c)), *map(len, cells[c])]) for c in cells]
+        rows = [list(map(str, cells.columns)), *cells.itertuples(index=False)]
+        lines = (
+            "  ".join(
+                v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right, strict=True)
+            )
+            for row in rows
+        )
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+    header = "| " + " | ".join(cells.columns) + " |"
+    rule = "|" + "|".join("---:" if r else "---" for r in right) + "|"
+    rows = ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
+    return "\n".join([header, rule, *rows]) + "\n"
+
+
+def _right_aligned(column: pd.Series, cells: pd.Series) -> bool:
+    """Numbers right, words left; a pivot's cells (numbers or a status) count as numbers."""
+    if pd.api.types.is_bool_dtype(column):
+        return False
+    if pd.api.types.is_numeric_dtype(column):
+        return True
+    filled = [c for c in cells if c]
+    numbers = [c for c in filled if _NUMBER.fullmatch(c)]
+    return bool(numbers) and all(c in _STATUSES or _NUMBER.fullmatch(c) for c in filled)
+
+
+_NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?")
+_STATUSES = ("ok", "oom", "error", "timeout")
+
+
+def _lists_as_text(frame: pd.DataFrame) -> pd.DataFrame:
+    out = frame.copy()
+    for name in out:
+        if out[name].dtype == object and out[name].map(lambda v: isinstance(v, list)).any():
+            out[name] = out[name].map(
+                lambda v: (
+                    " ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v)
+                    if isinstance(v, list)
+                    else v
+                )
+            )
+    return out
+
+
+def _cells(frame: pd.DataFrame, floats: Mapping[str, str]) -> pd.DataFrame:
+    def cell(value: Any, spec: str | None) -> str:
+        if isinstance(value, list):
+            return " ".join(map(str, value))
+        if value is None or (not isinstance(value, str) and pd.isna(value)):
+            return ""
+        if spec and isinstance(value, int | float | np.number):
+            return format(value, spec)
+        if isinstance(value, float | np.floating) and math.isfinite(value):
+            return f"{value:.4g}"
+        return str(value)
+
+    return pd.DataFrame(
+        {name: [cell(v, floats.get(name)) for v in frame[name]] for name in frame},
+        columns=list(frame.columns),
+    )

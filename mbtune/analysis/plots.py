@@ -1,0 +1,269 @@
+"""PNG plots of a run, from the frames of mbtune.runs.load and mbtune.analysis.frames.
+
+matplotlib's object API with its Agg renderer: no display, no pyplot state, nothing
+changed in the caller's own matplotlib (a notebook keeps its backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator
+
+from mbtune.analysis.frames import best_per_config, ranked_ok
+from mbtune.errors import MbtuneError
+from mbtune.runs.load import RunInfo
+
+__all__ = [
+    "PLOT_FILES",
+    "compare_figure",
+    "confidence_figure",
+    "memory_figure",
+    "save",
+    "step_time_figure",
+    "throughput_figure",
+    "write_plots",
+]
+
+PLOT_FILES = {
+    "throughput": "plot-throughput.png",
+    "memory": "plot-memory.png",
+    "step_time": "plot-step-time.png",
+    "confidence": "plot-confidence.png",
+}
+"""The file each plot is written to, inside the run directory."""
+
+STEP_TIME_BARS = 24
+"""At most this many bars in the step-time plot: the best trials, by objective."""
+
+_FAILED = {"oom": ("X", "out of memory"), "error": ("v", "error"), "timeout": ("s", "timeout")}
+_MiB = 2**20
+
+
+def write_plots(trials: pd.DataFrame, info: RunInfo) -> tuple[list[Path], list[str]]:
+    """Every plot of one run, into its directory: the files written, and one line for
+    each plot that could not be drawn, saying why."""
+    title = info.name
+    figures = {
+        "throughput": throughput_figure(trials, title=title),
+        "memory": memory_figure(trials, device_memory_bytes=info.device_memory_bytes, title=title),
+        "step_time": step_time_figure(trials, title=title),
+    }
+    skipped = []
+    recs = info.recommendations
+    if recs is None or recs["confidence"].notna().sum() == 0:
+        why = "has no recommendations.jsonl" if recs is None else "has no confidence records"
+        skipped.append(f"{PLOT_FILES['confidence']} not written: the run {why} (older run?)")
+    else:
+        figures["confidence"] = confidence_figure(recs, target=info.confidence_target, title=title)
+    written = [save(fig, info.path / PLOT_FILES[name]) for name, fig in figures.items()]
+    return written, skipped
+
+
+def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
+    """samples/s against micro-batch size, one line per num_devices through each
+    configuration's median; where a configuration was measured more than once, a bar from
+    its lowest to its highest measurement; the failed trials marked on the axis, and the
+    best trial starred."""
+    fig, ax = _figure()
+    cells = best_per_config(trials)
+    measured = trials[trials["status"].eq("ok")]
+    for color, (n, group) in zip(_colors(), cells.groupby("num_devices"), strict=False):
+        speeds = measured[measured["num_devices"] == n].groupby("micro_batch_size")["samples_per_s"]
+        line = speeds.median()
+        ax.plot(line.index, line.to_numpy(), "o-", color=color, label=f"num_devices {n}")
+        spread = speeds.agg(["min", "max", "count"])
+        spread = spread[spread["count"] > 1]
+        ax.vlines(spread.index, spread["min"], spread["max"], color=color, linewidth=3, alpha=0.5)
+        _mark_failed(ax, group, color, y=0.0)
+    _failure_legend(ax, cells["status"])
+    ok = ranked_ok(trials)
+    if len(ok):
+        best = ok.iloc[0]
+        ax.plot(
+            [best["micro_batch_size"]], [best["samples_per_s"]], "*", color="gold",
+            markersize=16, markeredgecolor="black", zorder=5,
+            label=f"best: {best['samples_per_s']:,.0f} samples/s",
+        )  # fmt: skip
+    _micro_batch_axis(ax, trials)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("samples/s (global)")
+    ax.set_title(f"{title}: throughput by micro-batch size")
+    _legend(ax)
+    return fig
+
+
+def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, title: str) -> Figure:
+    """Peak memory of one device against micro-batch size, one line per num_devices, with
+    the experiment's memory budget (trial.device_memory) drawn where it has one."""
+    fig, ax = _figure()
+    for color, (n, group) in zip(_colors(), trials.groupby("num_devices"), strict=False):
+        ok = group[group["status"] == "ok"].groupby("micro_batch_size")["peak_memory_bytes"].max()
+        ax.plot(ok.index, ok.to_numpy() / _MiB, "o-", color=color, label=f"num_devices {n}")
+        failed = group[(group["status"] != "ok") & group["peak_memory_bytes"].notna()]
+        _mark_failed(ax, failed, color, y=failed["peak_memory_bytes"] / _MiB)
+    _failure_legend(ax, trials.loc[trials["peak_memory_bytes"].notna(), "status"])
+    if device_memory_bytes:
+        ax.axhline(
+            device_memory_bytes / _MiB, color="crimson", linestyle="--",
+            label=f"budget (device_memory) {_size(device_memory_bytes)}",
+        )  # fmt: skip
+        budget = ""
+    else:
+        budget = " (no device_memory budget set)"
+    _micro_batch_axis(ax, trials)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("peak memory per device (MiB)")
+    ax.set_title(f"{title}: peak memory by micro-batch size{budget}")
+    _legend(ax)
+    return fig
+
+
+def step_time_figure(trials: pd.DataFrame, *, title: str) -> Figure:
+    """Each ok trial's median step split into compute, communication and pipeline bubble
+    (stacked bars), ordered by (num_devices, batch_size, micro_batch_size)."""
+    ok = ranked_ok(trials)
+    shown = ok.head(STEP_TIME_BARS).sort_values(
+        ["num_devices", "batch_size", "micro_batch_size", "trial"]
+    )
+    fig, ax = _figure(width=max(6.4, 0.45 * len(shown)))
+    several_batches = trials["batch_size"].nunique() > 1
+    labels = [
+        f"n{r.num_devices} m{r.micro_batch_size}" + (f"\nB{r.batch_size}" * several_batches)
+        for r in shown.itertuples()
+    ]
+    x = range(len(shown))
+    bottom = pd.Series(0.0, index=shown.index)
+    parts = (("compute_time_ms", "compute"), ("comm_time_ms", "all-reduce"),
+             ("bubble_time_ms", "pipeline bubble"))  # fmt: skip
+    for color, (column, label) in zip(_colors(), parts, strict=False):
+        height = shown[column].fillna(0.0)
+        ax.bar(x, height.to_numpy(), bottom=bottom.to_numpy(), color=color, label=label)
+        bottom += height
+    ax.set_xticks(list(x), labels, fontsize=8, rotation=0 if len(shown) <= 12 else 90)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_xlabel("trial (n: num_devices, m: micro_batch_size)")
+    cut = f" (best {len(shown)} of {len(ok)})" if len(shown) < len(ok) else ""
+    ax.set_title(f"{title}: where a step's time goes{cut}")
+    if not len(shown):
+        ax.text(0.5, 0.5, "no trial ran ok", ha="center", transform=ax.transAxes)
+    _legend(ax)
+    return fig
+
+
+def confidence_figure(recommendations: pd.DataFrame, *, target: int | None, title: str) -> Figure:
+    """The recommendation's confidence score after each trial, with the stopping target;
+    each change of the recommended configuration is labelled."""
+    fig, ax = _figure()
+    recs = recommendations.dropna(subset=["confidence"])
+    trials = recs["trials"].fillna(pd.Series(range(1, len(recs) + 1), index=recs.index))
+    ax.step(trials, recs["confidence"], "o-", where="post", color="tab:blue", label="confidence")
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle="--", label=f"target {target}")
+    previous = None
+    for x, (_, r) in zip(trials, recs.iterrows(), strict=True):
+        config = (r["num_devices"], r["micro_batch_size"], r["batch_size"])
+        if config != previous and not any(pd.isna(v) for v in config):
+            ax.annotate(
+                f"n{config[0]:.0f} m{config[1]:.0f}",
+                (x, r["confidence"]), textcoords="offset points", xytext=(0, 8),
+                ha="center", fontsize=8,
+            )  # fmt: skip
+        previous = config
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("trials finished")
+    ax.set_ylabel("confidence score (0-99)")
+    ax.set_title(f"{title}: confidence in the recommendation")
+    _legend(ax)
+    return fig
+
+
+def compare_figure(runs: Sequence[pd.DataFrame], labels: Sequence[str], *, title: str) -> Figure:
+    """samples/s against micro-batch size of several runs: one color per num_devices,
+    one line style per run."""
+    fig, ax = _figure()
+    styles = ("o-", "s--", "^:", "d-.")
+    devices = sorted(pd.concat(runs)["num_devices"].unique())
+    colors = {n: c for c, n in zip(_colors(), devices, strict=False)}
+    for style, label, trials in zip(styles, labels, runs, strict=False):
+        cells = best_per_config(trials)
+        for n, group in cells.groupby("num_devices"):
+            ok = group[group["status"] == "ok"].groupby("micro_batch_size")["samples_per_s"].max()
+            ax.plot(ok.index, ok.to_numpy(), style, color=colors[n], label=f"{label}, n {n}")
+            _mark_failed(ax, group, colors[n], y=0.0)
+    _failure_legend(ax, pd.concat([best_per_config(t) for t in runs])["status"])
+    _micro_batch_axis(ax, pd.concat(runs))
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("samples/s (global)")
+    ax.set_title(title)
+    _legend(ax)
+    return fig
+
+
+# ---------------------------------------------------------------------------
+# shared
+
+
+def _figure(width: float = 6.4) -> tuple[Figure, object]:
+    fig = Figure(figsize=(width, 4.0), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _colors() -> list[str]:
+    return [f"C{i}" for i in range(10)]
+
+
+def _mark_failed(ax, group: pd.DataFrame, color: str, *, y) -> None:
+    """Failed trials as markers (x: oom, v: error, square: timeout) at height ``y``."""
+    for status, (marker, _) in _FAILED.items():
+        mask = group["status"] == status
+        if mask.any():
+            height = y[mask] if isinstance(y, pd.Series) else [y] * int(mask.sum())
+            ax.plot(
+                group.loc[mask, "micro_batch_size"], height, marker, color=color,
+                markersize=10, linestyle="none", clip_on=False, zorder=4,
+            )  # fmt: skip
+
+
+def _failure_legend(ax, statuses: pd.Series) -> None:
+    """One legend entry per failed status drawn (in black: the colour says the devices)."""
+    for status, (marker, meaning) in _FAILED.items():
+        if statuses.eq(status).any():
+            ax.plot([], [], marker, color="black", linestyle="none", label=meaning)
+
+
+def _micro_batch_axis(ax, trials: pd.DataFrame) -> None:
+    sizes = sorted(int(m) for m in trials["micro_batch_size"].unique())
+    if sizes and sizes[-1] / sizes[0] >= 4:
+        ax.set_xscale("log", base=2)  # sizes are mostly powers of two: even spacing
+    ax.xaxis.set_major_locator(FixedLocator(sizes))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(m) for m in sizes])
+    ax.set_xlabel("micro_batch_size")
+
+
+def _size(size_bytes: int) -> str:
+    """A memory size as people write it: '416 MiB', '4.00 GiB'."""
+    return (
+        f"{size_bytes / 2**30:.2f} GiB" if size_bytes >= 2**30 else f"{size_bytes / _MiB:.0f} MiB"
+    )
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+
+
+def save(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` as a PNG file."""
+    path = Path(path)
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise MbtuneError(f"cannot write the plot {path}: {e.strerror or e}") from None
+    return path

@@ -1,0 +1,257 @@
+"""The experiment: its sections joined, the rules between them, and the lattice it searches.
+
+An :class:`Experiment` is frozen and validated once, when it is built (from YAML by
+mbtune.config.load, or in code); everything downstream takes it and trusts it, and a trial
+receives it pickled.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mbtune import lattice
+from mbtune.config.rules import ConfigError, check_fields
+from mbtune.config.schema import (
+    IntRange,
+    ModelConfig,
+    RayConfig,
+    SearchConfig,
+    SpaceConfig,
+    TrainInput,
+    TrialConfig,
+    lattice_rule,
+)
+from mbtune.lattice import MAX_CONFIGS, BatchConfig
+
+__all__ = ["DEFAULT_NOISE_FLOOR", "Experiment"]
+
+DEFAULT_NOISE_FLOOR = 0.035
+"""Run-to-run drift assumed for real trials: bench/search_noise.py measured 3.4% (the
+median over the quickstart's configurations of a robust sd across four whole searches)
+on a shared 2-core CPU; a dedicated accelerator may drift less (set search.noise_floor)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """One experiment: the sections, and the rules between them (checked when built)."""
+
+    name: str
+    """Names the run directory: letters, digits, '_', '-', '.' (1-100); YAML: the file's
+    name where the file gives none."""
+    model: ModelConfig
+    """The model a trial builds."""
+    train_input: TrainInput
+    """The user's own configuration."""
+    search: SearchConfig = field(default_factory=SearchConfig)
+    """How to search."""
+    trial: TrialConfig = field(default_factory=TrialConfig)
+    """How to measure one configuration."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Where trials run."""
+    output_dir: Path = Path("runs")
+    """Where run directories are made."""
+    source: Path | None = None
+    """The YAML file this came from (None when built in code)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", self.name):
+            raise ConfigError(
+                "name",
+                f"{self.name!r} is not a valid name: use letters, digits, '_', '-', '.' (1-100)",
+            )
+        if self.trial.backend == "replay" and self.trial.table is None:
+            raise ConfigError("trial.table", "the replay backend needs trial.table: a CSV path")
+        if self.trial.parallel == "ddp":
+            self._check_ddp()
+        configs = self.configs()
+        if not configs:
+            raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
+        space = set(configs)
+        for i, point in enumerate(self.search.start_points):
+            if point not in space:
+                raise ConfigError(
+                    f"search.start_points[{i}]",
+                    f"batch_size {point.batch_size}, num_devices {point.num_devices}, "
+                    f"micro_batch_size {point.micro_batch_size} is not in the search space; "
+                    "see `mbtune space` for the valid configurations",
+                )
+
+    def _check_ddp(self) -> None:
+        """What ``trial.parallel: ddp`` cannot do."""
+        if self.train_input.pipeline_stages > 1:
+            raise ConfigError(
+                "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
+            )
+        if self.trial.backend == "replay":
+            raise ConfigError(
+                "trial.parallel",
+                "ddp runs real workers, but the replay backend answers from trial.table and "
+                "runs nothing; use parallel: simulate with backend: replay",
+            )
+        gpus = self.ray.gpus_per_trial
+        if self.trial.device == "cuda" and gpus == 0:
+            raise ConfigError(
+                "ray.gpus_per_trial",
+                "ddp on cuda gives each worker its own GPU, and ray.gpus_per_trial is 0; "
+                "set ray.gpus_per_trial: 1",
+            )
+        if gpus == 0 and self.ray.cpus_per_trial == 0:
+            raise ConfigError(
+                "ray.cpus_per_trial",
+                "ddp workers need resources of their own: ray.cpus_per_trial and "
+                "ray.gpus_per_trial are both 0; set ray.cpus_per_trial: 1 (0.5 puts two "
+                "workers on one core)",
+            )
+        if gpus != int(gpus):
+            raise ConfigError(
+                "ray.gpus_per_trial",
+                f"ddp gives each worker whole GPUs (NCCL ranks cannot share one), got {gpus:g}; "
+                "use 1 (or 0 with device: cpu)",
+            )
+
+    @property
+    def cpu_threads(self) -> int:
+        """The threads one trial (one ddp worker) computes with: the whole CPUs it holds,
+        ``ray.cpus_per_trial``, at least one (Ray's rule for OMP_NUM_THREADS), also in
+        `mbtune trial`, so that it measures what a search measures."""
+        return max(1, int(self.ray.cpus_per_trial))
+
+    @property
+    def user_config(self) -> BatchConfig | None:
+        """The user's own configuration (where the mode fixes m), with the trial's
+        activation checkpointing: the reference for "faster than yours"."""
+        user = self.train_input.config
+        if user is None:
+            return None
+        return dataclasses.replace(
+            user, activation_checkpointing=self.trial.activation_checkpointing
+        )
+
+    @property
+    def noise_floor(self) -> float:
+        """``search.noise_floor``, resolved for the backend (see SearchConfig): a replayed
+        table does not drift unless ``trial.drift`` says it does, and then it stands for a
+        real machine, whose drift the search does not know beforehand."""
+        if self.search.noise_floor is not None:
+            return self.search.noise_floor
+        exact = self.trial.backend == "replay" and not self.trial.drift
+        return 0.0 if exact else DEFAULT_NOISE_FLOOR
+
+    # -- the lattice this experiment searches ------------------------------
+
+    def configs(self) -> list[BatchConfig]:
+        """Every configuration the search may try (see lattice.enumerate_configs)."""
+        return _enumerate(self.train_input, self.search.space, self.trial.activation_checkpointing)
+
+    def _space_summary(self) -> str:
+        t, s = self.train_input, self.search.space
+        return (
+            f"micro_batch_size {t.micro_batch_size!r}, batch_size "
+            f"{_describe(s.batch_size) if s.batch_size is not None else t.batch_size}, "
+            f"num_devices {_describe(s.num_devices) if s.num_devices else t.num_devices}, "
+            f"space micro_batch_size {_describe(s.micro_batch_size)}"
+            + ("" if t.allow_uneven else ", allow_uneven false")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved experiment, as YAML would spell it (for the run directory)."""
+        return _plain(
+            {
+                "name": self.name,
+                "model": {"name": self.model.name, **self.model.options},
+                "train_input": dataclasses.asdict(self.train_input),
+                "search": {
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(self.search).items()
+                        if k not in ("space", "start_points")
+                    },
+                    "start_points": [p.sizes() for p in self.search.start_points],
+                    "space": {
+                        k: v
+                        for k, v in dataclasses.asdict(self.search.space).items()
+                        if v is not None and k != "source"
+                    },
+                },
+                "trial": dataclasses.asdict(self.trial),
+                "ray": dataclasses.asdict(self.ray),
+                "output_dir": self.output_dir,
+            }
+        )
+
+
+def _enumerate(t: TrainInput, s: SpaceConfig, checkpointing: bool) -> list[BatchConfig]:
+    """The lattice of (B, n, m), once per activation checkpointing setting of the space."""
+    sizes = _enumerate_sizes(t, s)
+    flags = s.activation_checkpointing or (checkpointing,)
+    return [dataclasses.replace(c, activation_checkpointing=f) for f in flags for c in sizes]
+
+
+def _enumerate_sizes(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
+    ns = _values(s.num_devices) if s.num_devices is not None else [t.num_devices]
+    ms = _values(s.micro_batch_size) if s.micro_batch_size is not None else None
+    batch_range = isinstance(s.batch_size, IntRange)
+    if batch_range:
+        batch_sizes: Any = (s.batch_size.min, s.batch_size.max)  # type: ignore[union-attr]
+    else:
+        batch_sizes = [s.batch_size if s.batch_size is not None else t.batch_size]
+    if isinstance(t.micro_batch_size, int) and ms is not None and not batch_range:
+        ms = None  # an explicit m is the user's choice; the space cannot vary it
+    range_ms = [t.micro_batch_size] if isinstance(t.micro_batch_size, int) else ms
+    if batch_range and range_ms is not None:
+        _check_range_work(ns, range_ms, s.batch_size.max)  # type: ignore[union-attr]
+    with lattice_rule("search.space"):
+        return lattice.enumerate_configs(
+            mode=t.micro_batch_size,
+            batch_sizes=batch_sizes,
+            num_devices=ns,
+            micro_batch_sizes=ms,
+            batch_range=batch_range,
+            allow_uneven=t.allow_uneven,
+        )
+
+
+def _check_range_work(ns: list[int], ms: list[int], batch_max: int) -> None:
+    """Refuse a batch_size range whose enumeration would visit too many (n, m) pairs.
+
+    With B free, the lattice visits every pair with n x m <= max B, even where no B of the
+    range fits; huge device and micro-batch ranges would take minutes to find nothing.
+    """
+    ms = sorted(ms)
+    pairs = sum(bisect.bisect_right(ms, batch_max // n) for n in ns)
+    if pairs > MAX_CONFIGS:
+        raise ConfigError(
+            "search.space",
+            f"with a batch_size range, num_devices ({len(ns)} values) x micro_batch_size "
+            f"({len(ms)} values) gives {pairs:,} pairs to try, more than {MAX_CONFIGS:,}; "
+            "narrow num_devices or micro_batch_size",
+        )
+
+
+def _values(v: tuple[int, ...] | IntRange) -> list[int]:
+    return v.values() if isinstance(v, IntRange) else list(v)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, IntRange):
+        return f"{v.min}..{v.max}"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(map(str, v)) + "]"
+    return "not listed" if v is None else str(v)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj

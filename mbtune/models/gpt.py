@@ -1,0 +1,159 @@
+"""The built-in ``gpt``: a decoder-only transformer in the spirit of nanoGPT's model.py.
+
+Token and position embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention,
+then a 4x MLP), a final LayerNorm and an output projection tied to the token embedding.
+The synthetic batch is random tokens (throughput does not depend on what they say) and
+the loss is next-token cross-entropy, a mean over the n x seq_len tokens of the batch.
+With activation checkpointing, each `Block` recomputes its activations in the backward
+pass (mbtune.models.checkpointing).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mbtune.models.spec import Batch, ModelSpec, batch_mixing_reason
+
+__all__ = ["GPT", "GPTMLP", "Block", "CausalSelfAttention", "build_gpt"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, *, n_head: int, d_model: int, dropout: float):
+        super().__init__()
+        # key, query, value projections for all heads, in one matmul
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head = n_head
+        self.d_model = d_model
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, d_model
+        q, k, v = self.c_attn(x).split(self.d_model, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim): heads become a batch dimension
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        return self.resid_dropout(self.c_proj(y))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, *, d_model: int, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, *, n_head: int, d_model: int, dropout: float):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(n_head=n_head, d_model=d_model, dropout=dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = GPTMLP(d_model=d_model, dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, n_layer blocks, final LayerNorm, tied lm_head."""
+
+    def __init__(
+        self,
+        *,
+        n_layer: int,
+        n_head: int,
+        d_model: int,
+        seq_len: int,
+        vocab_size: int,
+        dropout: float,
+    ):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, d_model)  # token embedding
+        self.wpe = nn.Embedding(seq_len, d_model)  # position embedding
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(n_head=n_head, d_model=d_model, dropout=dropout) for _ in range(n_layer)
+        )
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        # weight tying: the output projection is the token embedding
+        self.lm_head.weight = self.wte.weight
+
+        # nanoGPT's init: N(0, 0.02), residual projections scaled down by the depth
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, d_model)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size) logits
+
+
+def build_gpt(
+    *, n_layer: int, n_head: int, d_model: int, seq_len: int, vocab_size: int, dropout: float
+) -> ModelSpec:
+    """The model, its batch of random tokens and its next-token loss (options checked by
+    mbtune.config.model_options.check_options: d_model divisible by n_head)."""
+    module = GPT(
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        dropout=dropout,
+    )
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(_batch, seq_len=seq_len, vocab_size=vocab_size),
+        loss_fn=_loss,
+        tokens_per_sample=seq_len,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+def _batch(n: int, device: torch.device, *, seq_len: int, vocab_size: int) -> Batch:
+    # random tokens: throughput does not depend on what the tokens say
+    idx = torch.randint(vocab_size, (n, seq_len), dtype=torch.long, device=device)
+    targets = torch.randint(vocab_size, (n, seq_len), dtype=torch.long, device=device)
+    return idx, targets
+
+
+def _loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    idx, targets = batch
+    logits = module(idx)  # (n, T, V)
+    # mean over all n*T tokens; every sample has T tokens, so it is also the mean over samples
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,220 @@
+"""User models: ``model.name: package.module:function``, imported from the current
+directory and called with the other keys under ``model:``.
+
+The function returns ``(module, make_batch, loss)``; everything about that contract is
+checked here, once, with a one-line ModelError naming what is wrong: the name's form, the
+import, the options the function's signature takes, the three returned items, and one
+small batch made on the CPU. ``model.checkpoint_blocks`` (reserved, not passed to the
+function) names the class of the blocks that activation checkpointing wraps.
+``experiments/user_model.py`` is a worked example.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from mbtune.config.model_options import (
+    MODEL_OPTIONS,
+    ModelError,
+    did_you_mean,
+    one_line,
+    split_user_options,
+)
+from mbtune.models.batch import batch_tensors
+from mbtune.models.checkpointing import checkpoint_blocks
+from mbtune.models.spec import Batch, LossFn, ModelSpec, batch_mixing_reason
+
+__all__ = ["USER_MODEL_NAMES", "build_user_model"]
+
+USER_MODEL_NAMES = f"valid: {', '.join(MODEL_OPTIONS)}, or package.module:function"
+"""How an error lists the valid model names: the built-ins and the user model's form."""
+
+_BATCH_FORMS = "a tensor, a tuple or list of tensors, or a mapping of names to tensors"
+_USER_CONTRACT = (
+    "expected package.module:function where function(**options) returns "
+    "(module, make_batch, loss): module a torch.nn.Module, make_batch(n, device) -> "
+    f"{_BATCH_FORMS}, each with leading dimension n, loss(module, batch) -> "
+    "scalar mean loss over the samples"
+)
+_USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+def build_user_model(
+    name: str, options: Mapping[str, object], *, seed: int, activation_checkpointing: bool
+) -> ModelSpec:
+    """The user's model `name` (``package.module:function``) called with `options`, its
+    contract checked (ModelError), seeded with `seed`, its `model.checkpoint_blocks`
+    checkpointed if `activation_checkpointing`."""
+    if not _USER_NAME.match(name):
+        raise ModelError(
+            f"model.name: {name!r} is not of the form package.module:function; {USER_MODEL_NAMES}"
+        )
+    module_name, function_name = name.split(":")
+
+    # `mbtune run` from the project directory must find the project's own modules
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
+    try:
+        py_module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelError(
+            f"model.name: cannot import {module_name!r} ({one_line(exc)}); "
+            "expected package.module:function importable from the current directory"
+        ) from exc
+
+    if not hasattr(py_module, function_name):
+        public = [a for a in dir(py_module) if not a.startswith("_")]
+        raise ModelError(
+            f"model.name: module {module_name!r} has no attribute {function_name!r}"
+            f"{did_you_mean(function_name, public)}; {_USER_CONTRACT}"
+        )
+    function = getattr(py_module, function_name)
+    if not callable(function):
+        raise ModelError(
+            f"model.name: {name!r} is a {type(function).__name__}, not a function; {_USER_CONTRACT}"
+        )
+    block_names, options = split_user_options(options)
+    _check_user_options(name, function, options)
+
+    torch.manual_seed(seed)
+    try:
+        returned = function(**options)
+    except Exception as exc:
+        raise ModelError(f"model.name: {name!r} raised {one_line(exc)}") from exc
+
+    module, make_batch, loss_fn = _check_user_return(name, returned)
+    _checkpoint_user_blocks(name, module, block_names, asked=activation_checkpointing)
+
+    # one small batch, now, so a broken make_batch fails here and not in every trial;
+    # on a forked RNG, so that validating does not shift the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        try:
+            _check_batch(make_batch(2, torch.device("cpu")), 2, name)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(
+                f"model.name: make_batch(2, cpu) from {name!r} raised {one_line(exc)}"
+            ) from exc
+
+    return ModelSpec(
+        module=module,
+        make_batch=functools.partial(_user_batch, make_batch, name),
+        loss_fn=loss_fn,
+        tokens_per_sample=None,
+        mixes_batch=batch_mixing_reason(module),
+    )
+
+
+def _check_user_options(name: str, function: Callable, options: dict[str, object]) -> None:
+    """Options that the function's signature cannot take, named as `model.<key>`."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to check (a C function): let the call tell
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [
+        p.name
+        for p in params.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for key in options:
+        if key not in accepted:
+            raise ModelError(
+                f"model.{key}: unknown option for model {name!r}; valid: "
+                f"{', '.join(accepted) or '(none)'}{did_you_mean(str(key), accepted)}"
+            )
+
+
+def _check_user_return(name: str, returned: object) -> tuple[nn.Module, Callable, LossFn]:
+    def fail(what: str) -> ModelError:
+        return ModelError(f"model.name: {name!r} returned {what}; {_USER_CONTRACT}")
+
+    if not isinstance(returned, tuple) or len(returned) != 3:
+        size = f" of {len(returned)} items" if isinstance(returned, (tuple, list)) else ""
+        raise fail(f"a {type(returned).__name__}{size}, not a 3-tuple")
+    module, make_batch, loss_fn = returned
+    if not isinstance(module, nn.Module):
+        raise fail(f"a {type(module).__name__} as first item, not a torch.nn.Module")
+    if not callable(make_batch):
+        raise fail(f"a {type(make_batch).__name__} as make_batch, not a function")
+    if not callable(loss_fn):
+        raise fail(f"a {type(loss_fn).__name__} as loss, not a function")
+    return module, make_batch, loss_fn
+
+
+def _check_batch(value: object, n: int, name: str) -> Batch:
+    """The user's batch, unchanged, once it is checked: a tensor, a tuple or list of
+    tensors, or a mapping of names to tensors, each with leading dimension n."""
+    where = f"model.name: make_batch({n}, device) from {name!r} returned"
+    expected = f"expected {_BATCH_FORMS}, each with leading dimension {n}"
+    if isinstance(value, Mapping):
+        for key, t in value.items():
+            if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+                raise ModelError(
+                    f"{where} a {type(value).__name__} whose {key!r} is a "
+                    f"{type(t).__name__}, not a tensor named by a string; {expected}"
+                )
+    elif isinstance(value, (tuple, list)):
+        for i, t in enumerate(value):
+            if not isinstance(t, torch.Tensor):
+                raise ModelError(
+                    f"{where} a {type(value).__name__} whose item {i} is a "
+                    f"{type(t).__name__}, not a tensor; {expected}"
+                )
+    elif not isinstance(value, torch.Tensor):
+        raise ModelError(f"{where} a {type(value).__name__}; {expected}")
+    tensors = batch_tensors(value)
+    if not tensors:
+        raise ModelError(f"{where} an empty {type(value).__name__}; {expected}")
+    if any(t.dim() == 0 or t.shape[0] != n for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ModelError(
+            f"{where} tensors of shapes {shapes}; every tensor must have leading "
+            f"dimension {n} (one row per sample)"
+        )
+    return value
+
+
+def _user_batch(make_batch: Callable, name: str, n: int, device: torch.device) -> Batch:
+    return _check_batch(make_batch(n, device), n, name)
+
+
+def _checkpoint_user_blocks(
+    name: str, module: nn.Module, block_names: tuple[str, ...], *, asked: bool
+) -> None:
+    """Checkpoint the blocks `model.checkpoint_blocks` names, if asked; a name that matches
+    no submodule fails either way (a search may turn checkpointing on later)."""
+    prefix = "trial.activation_checkpointing" if asked else "model.checkpoint_blocks"
+    repeated = Counter(type(sub).__name__ for sub in module.modules() if any(sub.children()))
+    blocks = ", ".join(f"{c} (x{k})" for c, k in repeated.most_common(4) if k > 1) or "none"
+    if not block_names:
+        if asked:
+            raise ModelError(
+                f"{prefix}: user model {name!r} does not say what to checkpoint; set "
+                "model.checkpoint_blocks to the class name of its repeated block "
+                f"(its repeated submodules: {blocks}), or turn checkpointing off"
+            )
+        return
+    classes = {type(sub).__name__ for sub in module.modules()}
+    for block in block_names:
+        if block not in classes:
+            raise ModelError(
+                f"{prefix}: model.checkpoint_blocks {block!r} matches no submodule of "
+                f"{name!r}{did_you_mean(block, classes)}; its repeated submodules: {blocks}"
+            )
+    if asked:
+        checkpoint_blocks(module, block_names)
