@@ -16,7 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mbtune"
 DESIGN = ROOT / "docs" / "design.md"
-MAX_LINES = 500
 FOREIGN = ("ray", "optuna")
 """The libraries whose private attributes mbtune must not use: their private parts change
 without notice between releases."""
@@ -143,13 +142,95 @@ def test_no_import_circle():
         pytest.fail(f"import circle: {' -> '.join(e.args[1])}")
 
 
-def test_no_module_is_over_500_lines():
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in MODULES.values()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+LAYERS: dict[str, set[str]] = {
+    "errors": set(),
+    "lattice": {"errors"},
+    "config": {"errors", "lattice"},
+    "progress": {"lattice"},
+    "cluster": {"mbtune", "errors"},
+    "runs": {"errors", "lattice", "config"},
+    "models": {"errors", "config"},
+    "trial": {"errors", "lattice", "config", "models", "progress", "cluster"},
+    "report": {"errors", "lattice", "config", "runs", "trial"},
+    "recommend": {"errors", "lattice", "config", "runs", "report"},
+    "analysis": {"mbtune", "errors", "lattice", "config", "runs", "report"},
+    "search": {
+        "mbtune", "errors", "lattice", "config", "runs", "trial", "report", "recommend",
+        "progress", "cluster",
+    },
+    "cli": {
+        "errors", "lattice", "config", "runs", "models", "trial", "report", "analysis",
+        "search", "progress", "cluster",
+    },
+    "mbtune": {"errors", "lattice", "config", "runs", "analysis"},
+    "__main__": {"cli"},
+}  # fmt: skip
+"""What each room of the package may import: a package (or a top-level module) and the
+rooms below it. The pure rooms (lattice, config, runs, recommend, analysis) are the ones
+that import neither torch nor ray (tests/test_lattice.py checks it at run time)."""
+
+
+def room_of(module: str) -> str:
+    """`mbtune.config.schema` is in `config`; the package itself is `mbtune`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "mbtune"
+
+
+def test_every_room_is_in_the_layering():
+    rooms = {room_of(m) for m in MODULES}
+    assert rooms == set(LAYERS), f"rooms without a layer: {rooms - set(LAYERS)}"
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    crossings = [
+        f"{MODULES[name].relative_to(ROOT)}:{i.line}: {room_of(name)} imports {i.module}"
+        for name, tree in TREES.items()
+        for i in mbtune_imports(name, tree)
+        if room_of(i.module) != room_of(name) and room_of(i.module) not in LAYERS[room_of(name)]
+    ]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_top_level_holds_few_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_only_a_package_re_exports():
+    """A name is imported from the module that defines it; only a package's `__init__`
+    re-exports (its public API). A module's `__all__` names only what it defines."""
+    found = []
+    for name, tree in TREES.items():
+        path = MODULES[name]
+        for i in mbtune_imports(name, tree):
+            if i.name is None or MODULES.get(i.module, path).name == "__init__.py":
+                continue
+            if i.module in TREES and i.name not in defined_names(TREES[i.module]):
+                found.append(f"{path.relative_to(ROOT)}:{i.line}: {i.name} from {i.module}")
+        if path.name == "__init__.py":
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                exported = {ast.literal_eval(e) for e in node.value.elts}
+                found += [
+                    f"{path.relative_to(ROOT)}: __all__ names {n}, defined elsewhere"
+                    for n in sorted(exported - defined_names(tree))
+                ]
+    assert not found, "\n".join(found)
 
 
 def borrowed_private_names(module: str, tree: ast.Module) -> list[str]:

@@ -11,13 +11,27 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
 SPACES = ["data_parallel.yaml", "default.yaml", "powers_of_two.yaml"]
 
 
-def test_the_named_spaces_are_package_data():
-    names = sorted(p.name for p in (resources.files("mbtune") / "search_spaces").iterdir())
-    assert names == SPACES
+def test_the_named_spaces_are_package_data_from_the_top_level_folder():
+    found = resources.files("mbtune.search_spaces")
+    assert sorted(p.name for p in found.iterdir() if p.name.endswith(".yaml")) == SPACES
+    assert Path(str(found)) == ROOT / "search_spaces"  # the editable install finds them there
+
+
+def test_every_package_of_mbtune_is_in_the_wheel_list():
+    """pyproject.toml lists the packages (one of them, the search spaces, lives outside
+    mbtune/): a new room of the package must be added there too."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])  # fmt: skip
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mbtune").rglob("__init__.py")
+    }
+    assert listed == found | {"mbtune.search_spaces"}
 
 
 def test_python_m_mbtune_runs_the_command():
@@ -32,6 +46,8 @@ def test_the_wheel_and_the_sdist_carry_the_search_spaces(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(ROOT / "mbtune", source / "mbtune",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(ROOT / "search_spaces", source / "search_spaces",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     build = "from setuptools import build_meta as b; b.build_wheel('out'); b.build_sdist('out')"
@@ -44,5 +60,5 @@ def test_the_wheel_and_the_sdist_carry_the_search_spaces(tmp_path):
         in_sdist = {name.split("/", 1)[1] for name in s.getnames() if "/" in name}
     for name in SPACES:
         assert f"mbtune/search_spaces/{name}" in in_wheel
-        assert f"mbtune/search_spaces/{name}" in in_sdist
+        assert f"search_spaces/{name}" in in_sdist  # the source tree's layout
     assert "mbtune/__main__.py" in in_wheel and "mbtune/config/starter.py" in in_wheel

@@ -83,8 +83,9 @@ __all__ = [
     "parse_memory",
 ]
 
-SEARCH_SPACES_DIR = resources.files("mbtune") / "search_spaces"
-"""The named search spaces: package data (mbtune/search_spaces/*.yaml), in a wheel too."""
+SEARCH_SPACES_DIR = resources.files("mbtune.search_spaces")
+"""The named search spaces: search_spaces/*.yaml at the repository's top level, installed as
+the package data of mbtune.search_spaces (pyproject.toml), in a wheel and an editable install."""
 MAX_YAML_VALUES = 100_000
 """Most values (aliases expanded) an experiment may hold: a few dozen is typical. Bounds
 the work of every later step against "billion laughs" alias bombs and cycles."""
