@@ -1,1 +1,6 @@
-"""analysis."""
+"""A finished run analysed: ranking, pivots, the spread of repeats, two runs compared,
+the plots, the exports to other frameworks' configuration, and ``mbtune analyze``.
+
+May import: mbtune, mbtune.errors, mbtune.lattice, mbtune.config, mbtune.runs,
+mbtune.report. Pure: no torch, no ray.
+"""

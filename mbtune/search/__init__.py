@@ -11,6 +11,9 @@ The package's parts, private behind this surface: ``_run`` (the Tuner, resume, w
 start), ``_searcher`` (what Tune asks for the next trial: proposals, the cache, another
 look), ``_proposers`` (Optuna's ask-and-tell and the baselines), ``_ledger`` (a finished
 trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and SIGTERM).
+
+May import: every room below it (mbtune, errors, lattice, config, runs, trial, report,
+recommend, progress, cluster); never torch (a test checks the driver).
 """
 
 from mbtune.search._ledger import ConfidenceStop, TrialLog, print_line
