@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 from mbtune.config.experiment import Experiment
 from mbtune.config.load import load_experiment
 from mbtune.config.rules import ConfigError
-from mbtune.config.starter import DEVICES, MODES, write_starter
+from mbtune.config.starter import DEVICES, write_starter
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import MODES, BatchConfig
 from mbtune.report import experiment_lines, micro_batches, result_lines
 
 __all__ = ["main", "space_rows"]
@@ -314,18 +314,27 @@ def _space(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mbtune.search import resume_search, run_search
+    from mbtune.cluster import prepare_ray
+    from mbtune.runs.rundir import RunDir
 
     where = {"address": args.address, "dashboard": args.dashboard, "verbose": args.verbose}
     if args.resume:
         if args.experiment or args.overrides or args.warm_start:
             raise MbtuneError("--resume: give only the run directory; it holds its experiment")
-        outcome = resume_search(args.resume, **where)
+        exp = load_experiment(RunDir.open(args.resume, flag="--resume").experiment_file)
     elif not args.experiment:
         raise MbtuneError("run: give EXPERIMENT.yaml, or --resume RUN_DIR")
     else:
         exp = load_experiment(args.experiment, args.overrides)
         check_user_model(exp)
+    # Ray reads RAY_AUTH_MODE once, when it is imported, and mbtune.search imports it: the
+    # cluster named here, and its token, come first
+    prepare_ray(args.address if args.address is not None else exp.ray.address)
+    from mbtune.search import resume_search, run_search
+
+    if args.resume:
+        outcome = resume_search(args.resume, **where)
+    else:
         outcome = run_search(exp, warm_start=args.warm_start, **where)
     if outcome.summary["status"] == "interrupted":
         return 130  # as a shell reports a command stopped by Ctrl-C
@@ -353,6 +362,10 @@ def _trial(args: argparse.Namespace) -> int:
 
     exp = load_experiment(args.experiment, args.overrides)
     config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
+    if exp.trial.parallel == "ddp":  # its Ray Train run imports Ray: the cluster comes first
+        from mbtune.cluster import prepare_ray
+
+        prepare_ray(exp.ray.address)
     with one_trial(config) as on_phase:  # a progress line, on a terminal
         result = run_trial(exp, config, on_phase=on_phase)
     if args.json:

@@ -32,16 +32,13 @@ __all__ = [
     "canonical_micro_batch_size",
     "check_batch_size",
     "check_micro_batch_size",
-    "check_strict",
     "divisors",
     "enumerate_configs",
     "even_split",
     "grad_accum_steps",
     "is_strictly_valid",
-    "megatron_global_batch",
     "nearest_batch_sizes_text",
     "nearest_valid_batch_sizes",
-    "num_microbatches",
     "per_device_batch",
     "valid_micro_batch_sizes",
     "valid_num_devices",
@@ -218,12 +215,6 @@ def check_micro_batch_size(
         )
 
 
-def check_strict(batch_size: int, num_devices: int, micro_batch_size: int) -> None:
-    """Raise LatticeError naming the broken rule, both numbers and what would be valid."""
-    check_batch_size(batch_size, num_devices, micro_batch_size)
-    check_micro_batch_size(batch_size, num_devices, micro_batch_size)
-
-
 _UNEVEN_HINT = " (or set allow_uneven: true)"
 
 
@@ -250,23 +241,7 @@ def _below_above(below: int | None, above: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# pipeline parallelism (Megatron's relations)
-
-
-def megatron_global_batch(data_parallel_size: int, micro_batch_size: int, microbatches: int) -> int:
-    """Megatron-LM: global batch = data-parallel size x micro-batch size x micro-batches."""
-    return data_parallel_size * micro_batch_size * microbatches
-
-
-def num_microbatches(batch_size: int, data_parallel_size: int, micro_batch_size: int) -> int:
-    """Micro-batches per step for a pipeline; Megatron requires an exact division."""
-    step = data_parallel_size * micro_batch_size
-    if batch_size % step:
-        raise LatticeError(
-            f"batch_size {batch_size} is not divisible by num_devices x micro_batch_size "
-            f"= {data_parallel_size} x {micro_batch_size} = {step}, which a pipeline requires"
-        )
-    return batch_size // step
+# pipeline parallelism (Megatron's bubble)
 
 
 def bubble_fraction(pipeline_stages: int, microbatches: int) -> float:

@@ -32,11 +32,15 @@ from typing import Any, TextIO
 from mbtune.lattice import BatchConfig
 
 __all__ = [
-    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "echo", "ended", "forwarder", "one_trial",
-    "phase_pipe", "phase_writer", "shown", "started",
+    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "PhaseHook", "echo", "ended", "forwarder",
+    "one_trial", "phase_pipe", "phase_writer", "shown", "started",
 ]  # fmt: skip
 
-PhaseHook = Callable[[str, int, int], None]  # as mbtune.trial.trial.PhaseHook
+PhaseHook = Callable[[str, int, int], None]
+"""``on_phase(phase, done, total)``: told as a trial moves through its phases: ``building``,
+``compiling`` (the first step, which compiles), ``warm-up`` and ``timing`` (``done`` of
+``total`` steps), ``replaying``, ``starting workers`` (ddp). ``done``/``total`` are 0
+where a phase has no steps to count."""
 
 PHASE_FD_FLAG = "--phase-fd"
 """``python -m mbtune.trial --phase-fd N``: write each phase to file descriptor N."""

@@ -1,1 +1,1 @@
-"""The named search spaces (search_spaces/ at the repository's top level), package data of mbtune."""
+"""The named search spaces: package data of mbtune, at the repository's top level."""

@@ -10,7 +10,6 @@ from mbtune.config.experiment import Experiment
 from mbtune.config.load import (
     apply_overrides,
     load_experiment,
-    load_run_experiment,
     parse_experiment,
 )
 from mbtune.config.rules import ConfigError, parse_memory
@@ -27,6 +26,7 @@ from mbtune.config.schema import (
 )
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.runs.load import load_run_experiment
 from mbtune.runs.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,6 +283,10 @@ BAD = [
     ({"ray": {"max_concurrent_trials": 0}}, r"^ray\.max_concurrent_trials: 0 is out of range"),
     ({"model": {"name": "gtp"}}, r"^model\.name: unknown model 'gtp'; valid: gpt, mlp, cnn_bn,"
      r" or package\.module:function \(did you mean 'gpt'\?\)"),
+    # a user model's name is held to the builder's rule here, before any trial runs
+    ({"model": {"name": "pkg..mod:f"}}, r"^model\.name: 'pkg\.\.mod:f' is not of the form "
+     r"package\.module:function \(Python names joined by dots, a colon, a function's name\); "
+     r"valid: gpt, mlp, cnn_bn, or package\.module:function$"),
     ({"model": {"name": "mlp", "hiden": 3}}, r"^model\.hiden: unknown option for model 'mlp'"
      r"; valid: .*\(did you mean 'hidden'\?\)"),
     ({"model": {"name": "mlp", "hidden": 0}}, r"^model\.hidden: must be a positive integer"),
@@ -386,6 +390,7 @@ RULES = [
     ),
     (ModelConfig, dict(name="")),
     (ModelConfig, dict(name="gtp")),
+    (ModelConfig, dict(name="pkg..mod:f")),
     (ModelConfig, dict(name="mlp", options={"hiden": 3})),
     (ModelConfig, dict(name="gpt", options={"d_model": 130})),
     (ModelConfig, dict(name="hf:gpt2", options={"task": "chat"})),

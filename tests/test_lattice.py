@@ -85,24 +85,25 @@ def test_nearest_valid_batch_sizes_when_splits_may_be_uneven():
     assert lattice.nearest_valid_batch_sizes(2, 3, 1, allow_uneven=True) == (None, 3)
 
 
-def test_check_strict_names_rule_numbers_and_valid_values():
+def test_the_strict_rules_name_rule_numbers_and_valid_values():
     with pytest.raises(
         LatticeError,
         match=r"^micro_batch_size 5 does not divide the per-device batch 32 \(batch_size 64 / "
         r"num_devices 2\); nearest valid batch_size for micro_batch_size 5: 60 \(below\) or "
         r"70 \(above\); valid micro_batch_size for batch_size 64: 1, 2, 4, 8, 16, 32$",
     ):
-        lattice.check_strict(64, 2, 5)
+        lattice.check_micro_batch_size(64, 2, 5)
     with pytest.raises(LatticeError, match=r"^batch_size 65 is not divisible by num_devices 2; "
                        r"nearest valid batch_size for micro_batch_size 1: 64 \(below\) or 66 "
                        r"\(above\)$"):  # fmt: skip
-        lattice.check_strict(65, 2, 1)
+        lattice.check_batch_size(65, 2, 1)
     with pytest.raises(LatticeError, match=r"^batch_size 2 is smaller than num_devices 4: every "
                        r"device needs at least one sample; nearest valid batch_size for "
                        r"micro_batch_size 1: 4 \(above\); valid num_devices for batch_size 2 and "
                        r"micro_batch_size 1: 1, 2$"):  # fmt: skip
-        lattice.check_strict(2, 4, 1)
-    lattice.check_strict(64, 2, 8)
+        lattice.check_batch_size(2, 4, 1)
+    lattice.check_batch_size(64, 2, 8)
+    lattice.check_micro_batch_size(64, 2, 8)
 
 
 @pytest.mark.parametrize(
@@ -156,13 +157,9 @@ def test_a_huge_batch_is_named_as_a_range_not_listed():
 # -- pipelines --------------------------------------------------------------------
 
 
-def test_megatron_relations():
-    assert lattice.megatron_global_batch(4, 2, 8) == 64
-    assert lattice.num_microbatches(64, 4, 2) == 8
+def test_the_pipeline_bubble_is_megatrons():
     assert lattice.bubble_fraction(4, 8) == pytest.approx(3 / 8)
     assert lattice.bubble_fraction(1, 8) == 0.0
-    with pytest.raises(LatticeError, match=r"num_devices x micro_batch_size = 4 x 3 = 12"):
-        lattice.num_microbatches(64, 4, 3)
 
 
 # -- configurations ---------------------------------------------------------------

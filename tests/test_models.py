@@ -447,6 +447,8 @@ def test_user_model_is_seeded(user_module):
         ("gpt", {"dropout": -0.1}, r"^model\.dropout: must be a float in \[0, 1\), got -0\.1"),
         ("gpt", {"dropout": False}, r"^model\.dropout: must be a float in \[0, 1\), got False"),
         ("a.b:c:d", {}, r"^model\.name: 'a\.b:c:d' is not of the form package\.module:function"),
+        ("pkg..mod:f", {}, r"^model\.name: 'pkg\.\.mod:f' is not of the form package\.module:f"),
+        (".mod:f", {}, r"^model\.name: '\.mod:f' is not of the form package\.module:function"),
     ],
 )
 def test_bad_builtin_name_or_option(name, options, match):

@@ -1,11 +1,17 @@
 """`mbtune init`: a commented starter experiment that validates, never over another file."""
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 from mbtune.cli import main
+from mbtune.config import schema
 from mbtune.config.load import load_experiment
-from mbtune.config.starter import MODES
+from mbtune.config.model_options import hf_config_key
+from mbtune.config.starter import DEVICES
+from mbtune.lattice import MODES
 
 
 def init(capsys, *argv):
@@ -15,7 +21,7 @@ def init(capsys, *argv):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", ["gpt", "hf:gpt2", "mlp", "experiments.user_model:build"])
 def test_the_starter_validates_with_what_was_asked(capsys, tmp_path, model, device, mode):
     path = tmp_path / "starter.yaml"
@@ -43,6 +49,48 @@ def test_the_starter_is_commented_and_hf_gpt2_is_tiny(capsys, tmp_path):
     model = yaml.safe_load(text)["model"]
     assert model == {"name": "hf:gpt2", "task": "causal-lm", "seq_len": 64, "n_layer": 2,
                      "n_embd": 128, "n_head": 4, "vocab_size": 512}  # fmt: skip
+
+
+def test_the_starter_devices_are_the_trial_devices_but_auto():
+    assert DEVICES == ("cpu", "cuda") and set(DEVICES) == set(schema.DEVICES) - {"auto"}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "hint"),
+    [("llama", "num_hidden_layers"), ("t5", "num_layers"), ("bloom", "n_layer")],
+)
+def test_an_hf_starter_hints_the_layer_count_by_its_config_s_own_name(
+    capsys, tmp_path, model_type, hint
+):
+    pytest.importorskip("transformers")  # without it the hint is transformers' common name
+    path = tmp_path / "hf.yaml"
+    assert init(capsys, path, "--model", f"hf:{model_type}")[0] == 0
+    lines = path.read_text().splitlines()
+    assert [line.split("#")[1].strip() for line in lines if line.startswith("  # ")] == [
+        f"{hint}: 2"
+    ]
+    assert load_experiment(path).model.options == {"task": "causal-lm", "seq_len": 64}
+
+
+def test_the_layer_count_s_name_is_the_one_transformers_gives_without_importing_it():
+    transformers = pytest.importorskip("transformers")
+    code = (
+        "import sys; from mbtune.config.model_options import hf_config_key; "
+        "print([hf_config_key(t, 'num_hidden_layers') for t in ('gpt2', 'llama', 'clip')], "
+        "sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['n_layer', 'num_hidden_layers', None] []"
+    # what transformers itself says (importing its configs imports torch: here only)
+    for model_type in ("gpt2", "llama", "t5", "bloom", "bert", "mistral", "whisper"):
+        config = transformers.AutoConfig.for_model(model_type)
+        own = type(config).attribute_map.get("num_hidden_layers", "num_hidden_layers")
+        assert hf_config_key(model_type, "num_hidden_layers") == own
+        assert getattr(config, own) == config.num_hidden_layers
+
+
+def test_an_hf_model_type_transformers_does_not_have_gets_the_common_name():
+    assert hf_config_key("no_such_model", "num_hidden_layers") == "num_hidden_layers"
 
 
 def test_init_never_overwrites_a_file(capsys, tmp_path):

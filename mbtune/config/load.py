@@ -20,22 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mbtune.config.experiment import DEFAULT_NOISE_FLOOR, Experiment
+from mbtune.config.experiment import Experiment
 from mbtune.config.model_options import did_you_mean
 from mbtune.config.rules import ConfigError, field_kinds, kind_of, parse_memory, show
 from mbtune.config.schema import (
-    BACKENDS,
-    COMPILE_MODES,
-    CUDA_ONLY_PRECISIONS,
-    DEFAULT_MEMORY_HEADROOM,
-    DEVICES,
-    LINKS,
-    MAX_MEMORY_HEADROOM,
-    OBJECTIVES,
-    ON_OOM,
-    PARALLEL,
-    PRECISIONS,
-    SAMPLERS,
     IntRange,
     ModelConfig,
     RayConfig,
@@ -45,42 +33,17 @@ from mbtune.config.schema import (
     TrainInput,
     TrialConfig,
 )
-from mbtune.runs.rundir import RunDir
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 __all__ = [
-    "BACKENDS",
-    "COMPILE_MODES",
-    "CUDA_ONLY_PRECISIONS",
-    "DEFAULT_MEMORY_HEADROOM",
-    "DEFAULT_NOISE_FLOOR",
-    "DEVICES",
-    "LINKS",
-    "MAX_MEMORY_HEADROOM",
     "MAX_YAML_DEPTH",
     "MAX_YAML_VALUES",
-    "OBJECTIVES",
-    "ON_OOM",
-    "PARALLEL",
-    "PRECISIONS",
-    "SAMPLERS",
     "SEARCH_SPACES_DIR",
-    "ConfigError",
-    "Experiment",
-    "IntRange",
-    "ModelConfig",
-    "RayConfig",
-    "SearchConfig",
-    "SpaceConfig",
-    "TrainInput",
-    "TrialConfig",
     "apply_overrides",
     "load_experiment",
-    "load_run_experiment",
     "parse_experiment",
-    "parse_memory",
 ]
 
 SEARCH_SPACES_DIR = resources.files("mbtune.search_spaces")
@@ -115,17 +78,6 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     raw = _safe_load(text, str(path))
     raw = apply_overrides(raw, overrides)
     return parse_experiment(raw, source=path)
-
-
-def load_run_experiment(run_dir: str | Path) -> Experiment:
-    """The typed experiment a run directory saved (its ``experiment.yaml``).
-
-    The saved experiment is resolved (Experiment.to_dict: the table's absolute path, the
-    space inline), and reading it opens no file it names: a run whose replay table or
-    user model is gone still reads, as long as it is a valid experiment.
-    """
-    run = RunDir.open(run_dir)
-    return load_experiment(run.experiment_file)
 
 
 def _safe_load(text: str, where: str) -> Any:

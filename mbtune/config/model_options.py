@@ -1,12 +1,16 @@
-"""Model options checked without importing torch (the driver of a search validates an
-experiment but never builds its model): the built-ins' options, the keys mbtune reserves
-for itself under an ``hf:`` model and under a user model, and the ``hf:`` name."""
+"""Model names and options checked without importing torch (the driver of a search
+validates an experiment but never builds its model): the rule of ``model.name``, the
+built-ins' options, the keys mbtune reserves for itself under an ``hf:`` model and under a
+user model, and what an ``hf:`` model's config calls its sizes."""
 
 from __future__ import annotations
 
+import ast
 import difflib
+import importlib.util
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -17,13 +21,18 @@ __all__ = [
     "HF_PREFIX",
     "HF_TASKS",
     "MODEL_OPTIONS",
+    "USER_MODEL_FORM",
+    "USER_MODEL_NAMES",
     "ModelError",
+    "check_model_name",
     "check_options",
     "did_you_mean",
+    "hf_config_key",
     "hf_model_type",
     "one_line",
     "split_hf_options",
     "split_user_options",
+    "user_model_parts",
     "with_defaults",
 ]
 
@@ -42,6 +51,13 @@ MODEL_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
     }
 )
 """For each built-in model, its option names and default values."""
+
+USER_MODEL_FORM = "package.module:function"
+"""How a user model is named: a module importable from the current directory (Python
+names joined by dots), a colon, and the function in it that builds the model."""
+
+USER_MODEL_NAMES = f"valid: {', '.join(MODEL_OPTIONS)}, or {USER_MODEL_FORM}"
+"""How an error lists the valid model names: the built-ins and the user model's form."""
 
 HF_PREFIX = "hf:"
 """``model.name: hf:<model_type>`` builds a Hugging Face transformers model."""
@@ -65,6 +81,37 @@ HF_RESERVED = ("task", "seq_len", "pretrained")
 
 _HF_MODEL_TYPE = re.compile(r"[A-Za-z0-9][\w.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_]\w*")
+_USER_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""USER_MODEL_FORM: ``pkg.mod:f``, never ``pkg..mod:f``, ``.mod:f`` or ``a:b:c``."""
+
+
+def check_model_name(name: object) -> None:
+    """The rule of ``model.name``: a built-in (:data:`MODEL_OPTIONS`), ``hf:<model_type>``
+    or a user model's ``package.module:function`` (a name with a colon is one of the last
+    two); ModelError names what is wrong and what is valid."""
+    if not isinstance(name, str):
+        raise ModelError(f"model.name: must be a string, got {name!r}; {USER_MODEL_NAMES}")
+    if name in MODEL_OPTIONS or hf_model_type(name) is not None:
+        return
+    if ":" in name:
+        user_model_parts(name)
+        return
+    raise ModelError(
+        f"model.name: unknown model {name!r}; {USER_MODEL_NAMES}"
+        f"{did_you_mean(name, MODEL_OPTIONS)}; or {HF_NAMES}"
+    )
+
+
+def user_model_parts(name: str) -> tuple[str, str]:
+    """The module and the function of a user model's name, ``package.module:function``
+    (ModelError where the name is not of that form)."""
+    if _USER_NAME.fullmatch(name) is None:
+        raise ModelError(
+            f"model.name: {name!r} is not of the form {USER_MODEL_FORM} (Python names "
+            f"joined by dots, a colon, a function's name); {USER_MODEL_NAMES}"
+        )
+    module, function = name.split(":")
+    return module, function
 
 
 def check_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
@@ -144,6 +191,71 @@ def hf_model_type(name: str) -> str | None:
             "e.g. hf:gpt2, hf:llama, hf:bert, hf:t5"
         )
     return model_type
+
+
+def hf_config_key(model_type: str, common: str) -> str | None:
+    """What the transformers config of ``model_type`` calls transformers' common attribute
+    ``common`` (``num_hidden_layers``, ``hidden_size``, ...): its own name where its
+    ``attribute_map`` maps the common one to it (gpt2's ``n_layer``, t5's ``num_layers``),
+    else ``common`` itself (llama's ``num_hidden_layers``); None where the config has
+    neither (a composite model, such as clip, keeps its sizes in its sub-configs).
+
+    Read from the config's source, not imported: importing a transformers config imports
+    torch, which validating or writing an experiment never needs. ``common`` where the
+    source is not at hand (transformers is not installed, or keeps the type elsewhere).
+    """
+    config = _hf_config_class(model_type)
+    if config is None:
+        return common
+    names: dict[str, ast.expr | None] = {}  # the config's fields and class attributes
+    for node in config.body:
+        if isinstance(node, ast.Assign):
+            names.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node.value  # a field (transformers 5)
+        elif isinstance(node, ast.FunctionDef) and node.name == "__init__":  # transformers 4
+            names.update((a.arg, None) for a in [*node.args.args, *node.args.kwonlyargs])
+    try:
+        attribute_map = ast.literal_eval(names.get("attribute_map") or "{}")
+    except (ValueError, TypeError, SyntaxError):
+        attribute_map = {}
+    own = attribute_map.get(common, common) if isinstance(attribute_map, dict) else common
+    # a config built on another one's (not transformers' base) may have the field from it
+    inherits = any(
+        ast.unparse(base).endswith("Config")
+        and ast.unparse(base) not in ("PreTrainedConfig", "PretrainedConfig")
+        for base in config.bases
+    )
+    return own if own in names or inherits else None
+
+
+def _hf_config_class(model_type: str) -> ast.ClassDef | None:
+    """The class of transformers' config of ``model_type``, parsed from its module, where
+    transformers names that module after the type; None where there is none to parse."""
+    try:
+        spec = importlib.util.find_spec("transformers")  # where it is; imports nothing
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    module = model_type.replace("-", "_")  # as transformers names a model type's module
+    models = Path(next(iter(spec.submodule_search_locations)), "models")
+    for folder in (models / module, models / "deprecated" / module):
+        try:
+            source = (folder / f"configuration_{module}.py").read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(item, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "model_type" for t in item.targets)
+                and isinstance(item.value, ast.Constant)
+                and item.value.value == model_type
+                for item in node.body
+            ):
+                return node
+    return None
 
 
 def split_hf_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -8,7 +8,6 @@ these types; mbtune.config.experiment joins them into an Experiment.
 
 from __future__ import annotations
 
-import re
 import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,10 +17,9 @@ from typing import Any, ClassVar, Literal
 
 from mbtune import lattice
 from mbtune.config.model_options import (
-    HF_NAMES,
     MODEL_OPTIONS,
+    check_model_name,
     check_options,
-    did_you_mean,
     hf_model_type,
     split_hf_options,
     split_user_options,
@@ -52,6 +50,7 @@ __all__ = [
     "PARALLEL",
     "PRECISIONS",
     "SAMPLERS",
+    "STATUSES",
     "IntRange",
     "ModelConfig",
     "RayConfig",
@@ -73,6 +72,10 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 OnOom = Literal["fail", "halve"]
 MicroBatchMode = Literal["auto", "explore", "none"]
 """lattice.MODES: how a search chooses m when train_input does not fix it."""
+TrialStatus = Literal["ok", "oom", "error", "timeout"]
+"""How a trial ends: measured, out of memory, failed, or still running at its timeout. A
+replay table (``trial.table``) gives one per row, as trials.csv does; every room reads
+them from here (the config is the one room the trial, the runs and the analysis share)."""
 
 SAMPLERS = typing.get_args(Sampler)
 OBJECTIVES = typing.get_args(Objective)
@@ -82,6 +85,7 @@ PARALLEL = typing.get_args(Parallel)
 PRECISIONS = typing.get_args(Precision)
 COMPILE_MODES = typing.get_args(CompileMode)
 ON_OOM = typing.get_args(OnOom)
+STATUSES = typing.get_args(TrialStatus)
 CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
 """TF32 matmuls and fp16 with a gradient scaler exist on CUDA only; bf16 autocast runs on
 the CPU too."""
@@ -120,13 +124,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
-        if not (self.is_builtin or hf_model_type(self.name) or _is_user_model(self.name)):
-            raise ConfigError(
-                "model.name",
-                f"unknown model {self.name!r}; valid: {', '.join(BUILTIN_MODELS)}, or "
-                f"package.module:function{did_you_mean(self.name, BUILTIN_MODELS)}; "
-                f"or {HF_NAMES}",
-            )
+        check_model_name(self.name)
         if not isinstance(self.options, Mapping):
             raise ConfigError("model", f"options must be a mapping, got {show(self.options)}")
         if self.is_builtin:
@@ -139,10 +137,6 @@ class ModelConfig:
     @property
     def is_builtin(self) -> bool:
         return self.name in BUILTIN_MODELS
-
-
-def _is_user_model(name: str) -> bool:
-    return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name) is not None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,14 +12,18 @@ from pathlib import Path
 
 import yaml
 
-from mbtune.config.model_options import HF_PREFIX, HF_TASKS, MODEL_OPTIONS
+from mbtune.config import schema
+from mbtune.config.model_options import HF_TASKS, MODEL_OPTIONS, hf_config_key, hf_model_type
 from mbtune.config.schema import SAMPLERS
 from mbtune.errors import MbtuneError
 
-__all__ = ["DEVICES", "MODES", "starter_text", "write_starter"]
+__all__ = ["DEVICES", "starter_text", "write_starter"]
 
-DEVICES = ("cpu", "cuda")
-MODES = ("auto", "explore", "none")
+DEVICES = tuple(d for d in schema.DEVICES if d != "auto")
+"""The devices a starter is written for: trial.device's, but ``auto``. A starter writes
+what its device needs (a GPU per trial, the card's memory or a CPU's budget, a longer
+timeout), so it must know the device when it is written; ``auto`` is decided only when a
+trial runs, on whatever machine that is."""
 
 _TINY_HF = {"gpt2": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512}}
 """Small sizes for the hf: models the starter knows, so that a first search takes minutes."""
@@ -58,7 +62,7 @@ def starter_text(
         _line("  time_budget_s: 1800", "... and at most this many seconds"),
         _line("  confidence_target: 90", "stop once 90% sure of the recommendation (100: never)"),
         "trial:",
-        _line(f"  device: {device}", "auto, cpu or cuda"),
+        _line(f"  device: {device}", _either(schema.DEVICES)),
         _line("  parallel: simulate", "one device measured, the all-reduce modelled; or ddp"),
         _line("  precision: auto", "auto: bf16 where the card has it; or fp32, tf32, bf16, fp16"
               if cuda else "auto: fp32 on a CPU; or bf16"),
@@ -79,6 +83,11 @@ def starter_text(
     return "\n".join(lines) + "\n"
 
 
+def _either(choices: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
 def _line(text: str, comment: str) -> str:
     """``text``, then ``comment`` at column 30 (or after one space, past it)."""
     return f"{text:<29} # {comment}"
@@ -91,13 +100,17 @@ def _model_lines(model: str) -> list[str]:
             f"  name: {model}",
             *(f"  {key}: {value}" for key, value in MODEL_OPTIONS[model].items()),
         ]
-    if model.startswith(HF_PREFIX):
-        tiny = _TINY_HF.get(model[len(HF_PREFIX) :])
-        sizes = (
-            [f"  {key}: {value}" for key, value in tiny.items()]
-            if tiny
-            else [_line("  # n_layer: 2", "any key of its config: make it small")]
-        )
+    model_type = hf_model_type(model)
+    if model_type is not None:
+        tiny = _TINY_HF.get(model_type)
+        # the layer count under the config's own name: gpt2's n_layer, t5's num_layers
+        layers = hf_config_key(model_type, "num_hidden_layers")
+        if tiny:
+            sizes = [f"  {key}: {value}" for key, value in tiny.items()]
+        elif layers:
+            sizes = [_line(f"  # {layers}: 2", "any key of its config: make it small")]
+        else:  # a composite config: its sizes are in its sub-configs
+            sizes = ["  # any key of its config: make it small"]
         return [
             _line("model:", "a Hugging Face transformers model, from its config"),
             _line(f"  name: {model}", "needs transformers: pip install 'mbtune[hf]'"),

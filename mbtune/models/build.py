@@ -38,38 +38,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mbtune.config.model_options import (
-    HF_NAMES,
     MODEL_OPTIONS,
     ModelError,
+    check_model_name,
     check_options,
-    did_you_mean,
     hf_model_type,
     with_defaults,
 )
-from mbtune.models.batch import slice_batch
 from mbtune.models.checkpointing import checkpoint_blocks
-from mbtune.models.gpt import GPT, Block, build_gpt
+from mbtune.models.gpt import Block, build_gpt
 from mbtune.models.spec import Batch, ModelSpec, batch_mixing_reason
-from mbtune.models.user import USER_MODEL_NAMES, build_user_model
+from mbtune.models.user import build_user_model
 
 if TYPE_CHECKING:
     from mbtune.config.schema import ModelConfig
 
 __all__ = [
     "BUILTIN_MODELS",
-    "GPT",
     "MLP",
-    "MODEL_OPTIONS",
     "ConvNetBN",
-    "ModelError",
-    "ModelSpec",
-    "batch_mixing_reason",
     "build_from_config",
     "build_model",
     "check_model",
-    "check_options",
-    "checkpoint_blocks",
-    "slice_batch",
 ]
 
 
@@ -187,15 +177,9 @@ def build_model(
     by `build_from_config`. Weights are reproducible: torch's global RNG is seeded with
     `seed` first.
     """
-    if not isinstance(name, str):
-        raise ModelError(f"model.name: must be a string, got {name!r}; {USER_MODEL_NAMES}")
+    check_model_name(name)
     if name in BUILTIN_MODELS:
         options = check_options(name, options)
-    elif hf_model_type(name) is None and ":" not in name:
-        hint = did_you_mean(name, BUILTIN_MODELS)
-        raise ModelError(
-            f"model.name: unknown model {name!r}; {USER_MODEL_NAMES}{hint}; or {HF_NAMES}"
-        )
     return _build(name, options, seed=seed, activation_checkpointing=activation_checkpointing)
 
 

@@ -15,7 +15,6 @@ import functools
 import importlib
 import inspect
 import os
-import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -24,20 +23,17 @@ import torch
 import torch.nn as nn
 
 from mbtune.config.model_options import (
-    MODEL_OPTIONS,
     ModelError,
     did_you_mean,
     one_line,
     split_user_options,
+    user_model_parts,
 )
 from mbtune.models.batch import batch_tensors
 from mbtune.models.checkpointing import checkpoint_blocks
 from mbtune.models.spec import Batch, LossFn, ModelSpec, batch_mixing_reason
 
-__all__ = ["USER_MODEL_NAMES", "build_user_model"]
-
-USER_MODEL_NAMES = f"valid: {', '.join(MODEL_OPTIONS)}, or package.module:function"
-"""How an error lists the valid model names: the built-ins and the user model's form."""
+__all__ = ["build_user_model"]
 
 _BATCH_FORMS = "a tensor, a tuple or list of tensors, or a mapping of names to tensors"
 _USER_CONTRACT = (
@@ -46,7 +42,6 @@ _USER_CONTRACT = (
     f"{_BATCH_FORMS}, each with leading dimension n, loss(module, batch) -> "
     "scalar mean loss over the samples"
 )
-_USER_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def build_user_model(
@@ -55,11 +50,7 @@ def build_user_model(
     """The user's model `name` (``package.module:function``) called with `options`, its
     contract checked (ModelError), seeded with `seed`, its `model.checkpoint_blocks`
     checkpointed if `activation_checkpointing`."""
-    if not _USER_NAME.match(name):
-        raise ModelError(
-            f"model.name: {name!r} is not of the form package.module:function; {USER_MODEL_NAMES}"
-        )
-    module_name, function_name = name.split(":")
+    module_name, function_name = user_model_parts(name)
 
     # `mbtune run` from the project directory must find the project's own modules
     cwd = os.getcwd()

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from mbtune import progress
-from mbtune.trial.measure import PhaseHook
+from mbtune.progress import PhaseHook
 from mbtune.trial.trial import TrialRequest, trial_metrics
 
 __all__ = ["KILL_GRACE_S", "measure_in_subprocess", "measure_with_ray_train"]

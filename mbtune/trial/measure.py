@@ -34,15 +34,14 @@ from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, even_split
 from mbtune.models.batch import batch_tensors, num_samples, split_batch
+from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import Collectives
 from mbtune.trial.flops import count_flops_per_sample, device_peak
 from mbtune.trial.precision import for_device
 
 __all__ = [
-    "STATUSES",
     "Measurement",
-    "PhaseHook",
     "accumulate_gradients",
     "build_spec",
     "device_timer",
@@ -54,15 +53,6 @@ __all__ = [
     "resolve_device",
     "synced_step",
 ]
-
-STATUSES = ("ok", "oom", "error", "timeout")
-"""How a trial ends: measured, out of memory, failed, or still running at its timeout."""
-
-PhaseHook = Callable[[str, int, int], None]
-"""``on_phase(phase, done, total)``: told as a trial moves through its phases: ``building``,
-``compiling`` (the first step, which compiles), ``warm-up`` and ``timing`` (``done`` of
-``total`` steps), ``replaying``, ``starting workers`` (ddp). ``done``/``total`` are 0
-where a phase has no steps to count."""
 
 
 def no_phase(phase: str, done: int, total: int) -> None:

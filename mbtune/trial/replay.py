@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from mbtune.config.experiment import Experiment
+from mbtune.config.schema import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.trial.measure import STATUSES, Measurement, PhaseHook, no_phase
+from mbtune.progress import PhaseHook
+from mbtune.trial.measure import Measurement, no_phase
 from mbtune.trial.memory import over_budget, reason_line
 
 __all__ = ["ReplayTable", "replay"]

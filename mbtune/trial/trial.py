@@ -33,14 +33,11 @@ from mbtune import lattice
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.models.batch import split_batch
+from mbtune.progress import PhaseHook
 from mbtune.trial.collectives import OneProcess
 from mbtune.trial.flops import utilisation
 from mbtune.trial.measure import (
-    STATUSES,
     Measurement,
-    PhaseHook,
-    accumulate_gradients,
     measure,
     no_phase,
     resolve_device,
@@ -49,16 +46,12 @@ from mbtune.trial.memory import release, retry_note
 from mbtune.trial.replay import replay
 
 __all__ = [
-    "STATUSES",
-    "PhaseHook",
     "TrialRequest",
     "TrialResult",
-    "accumulate_gradients",
     "objective",
     "result_of",
     "ring_allreduce_s",
     "run_trial",
-    "split_batch",
     "trial_metrics",
 ]
 
