@@ -103,7 +103,8 @@ def main() -> int:
                       flush=True)  # fmt: skip
 
     def median(key: str, field: str) -> float | None:
-        values = [x[field] for x in results[key] if x.get("status") == "ok" and x.get(field)]
+        values = [x[field] for x in results[key]
+                  if x.get("status") == "ok" and x.get(field) is not None]  # fmt: skip
         return statistics.median(values) if values else None
 
     rows = []
