@@ -67,6 +67,7 @@ Objective = Literal["samples_per_s", "samples_per_s_per_device"]
 Backend = Literal["torch", "replay"]
 Device = Literal["auto", "cpu", "cuda"]
 Parallel = Literal["simulate", "ddp"]
+Sharding = Literal["none", "fsdp"]
 Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 OnOom = Literal["fail", "halve"]
@@ -378,6 +379,10 @@ class TrialConfig:
     parallel: Parallel = "simulate"
     """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp`` (a Ray Train
     run of num_devices DistributedDataParallel workers; see mbtune.trial.ddp)."""
+    sharding: Sharding = "none"
+    """``none`` (every device holds the whole model) or ``fsdp`` (each ddp worker holds its
+    shard: PyTorch's FSDP2, one unit per block; see mbtune.trial.sharding). fsdp needs
+    ``parallel: ddp``."""
     compile: bool = True
     """Compile the model with torch.compile; compile time is reported apart."""
     compile_mode: CompileMode = "default"
@@ -424,6 +429,19 @@ class TrialConfig:
                 "trial.precision",
                 f"{self.precision} runs on CUDA only, and trial.device is cpu; use bf16 or "
                 "fp32 on the CPU (or auto)",
+            )
+        if self.sharding == "fsdp" and (self.parallel != "ddp" or self.backend == "replay"):
+            runs = (
+                "the replay backend runs nothing"
+                if self.backend == "replay"
+                else (
+                    f"trial.parallel is {self.parallel}, where one process stands for every device"
+                )
+            )
+            raise ConfigError(
+                "trial.sharding",
+                f"fsdp shards the model over real workers, and {runs}; set trial.parallel: "
+                "ddp with trial.backend: torch, or sharding: none",
             )
         if self.drift and self.table is None:
             raise ConfigError(

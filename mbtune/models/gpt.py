@@ -5,7 +5,9 @@ then a 4x MLP), a final LayerNorm and an output projection tied to the token emb
 The synthetic batch is random tokens (throughput does not depend on what they say) and
 the loss is next-token cross-entropy, a mean over the n x seq_len tokens of the batch.
 With activation checkpointing, each `Block` recomputes its activations in the backward
-pass (mbtune.models.checkpointing).
+pass (mbtune.models.checkpointing). Its weights are `GPT.init_weights()`'s draws from torch's
+RNG, nothing else: the modules are made on the meta device first, so a model built on the
+meta device and sharded (mbtune.trial.sharding) is initialised to the same values.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embedding, n_layer blocks, final LayerNorm, tied lm_head."""
 
+    shard_blocks = ("Block",)
+    """The blocks a sharded trial makes FSDP units of (mbtune.trial.sharding)."""
+
     def __init__(
         self,
         *,
@@ -88,6 +93,20 @@ class GPT(nn.Module):
         dropout: float,
     ):
         super().__init__()
+        # the modules without memory or values, then their memory where the caller builds
+        # (the CPU, or the meta device itself): init_weights alone draws the weights
+        device = torch.empty(0).device
+        with torch.device("meta"):
+            self._make(n_layer, n_head, d_model, seq_len, vocab_size, dropout)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.lm_head.weight = self.wte.weight
+            self.init_weights()
+
+    def _make(
+        self, n_layer: int, n_head: int, d_model: int, seq_len: int, vocab_size: int, dropout: float
+    ) -> None:
+        self.n_layer = n_layer
         self.wte = nn.Embedding(vocab_size, d_model)  # token embedding
         self.wpe = nn.Embedding(seq_len, d_model)  # position embedding
         self.drop = nn.Dropout(dropout)
@@ -99,11 +118,14 @@ class GPT(nn.Module):
         # weight tying: the output projection is the token embedding
         self.lm_head.weight = self.wte.weight
 
-        # nanoGPT's init: N(0, 0.02), residual projections scaled down by the depth
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """nanoGPT's init from torch's RNG: N(0, 0.02), residual projections scaled down by
+        the depth, LayerNorms at one and zero."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -113,6 +135,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.size(1)

@@ -7,7 +7,9 @@ configuration: there is no one to agree with, no gradient to all-reduce (the all
 modelled from the gradient's bytes), and a failure anywhere is simply the trial's result.
 :class:`ProcessGroup` (``ddp``, one per rank inside a Ray Train worker) wraps the model in
 PyTorch's ``DistributedDataParallel`` and agrees with the other ranks through
-torch.distributed. torch is imported inside the methods: the driver imports this module.
+torch.distributed; with ``trial.sharding: fsdp`` its subclass in mbtune.trial.sharding shards the
+model with FSDP2 instead, and no DDP all-reduce runs on top of it. torch is imported inside
+the methods: the driver imports this module.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class Collectives(Protocol):
     simulated: bool
     """True: one process stands for every device of the configuration. Nothing waits on
     it, so a failure anywhere is a result; its steps have no all-reduce, which is modelled."""
+    sharded: bool
+    """True: each process holds only its shard of the model (``trial.sharding: fsdp``,
+    mbtune.trial.sharding): the model is built on the meta device and :meth:`place` shards
+    it, and every pass has collectives in it (no step is local)."""
+
+    def place(self, module: Any, device: Any) -> Any:
+        """``module`` as this process holds it on ``device``: the whole model, or (sharded)
+        this rank's shard of a model built on the meta device. No collective."""
+        ...
 
     def agree(self, failure: BaseException | None, over: str | None = None) -> Verdict | None:
         """Every process's :func:`mbtune.trial.memory.verdict` of its own ``failure`` (or peak
@@ -54,6 +65,11 @@ class Collectives(Protocol):
         """Sum ``tensor`` over the processes, in place."""
         ...
 
+    def sync_gradients(self, tensor: Any) -> None:
+        """The collectives of one step's gradient sync, alone, on ``tensor`` (the gradients'
+        bytes as one buffer), for timing: DDP's all-reduce (FSDP's: mbtune.trial.sharding)."""
+        ...
+
 
 class OneProcess:
     """The collectives of one process: each does nothing (``trial.parallel: simulate``)."""
@@ -61,6 +77,10 @@ class OneProcess:
     rank = 0
     world_size = 1
     simulated = True
+    sharded = False
+
+    def place(self, module: Any, device: Any) -> Any:
+        return module.to(device)
 
     def agree(self, failure: BaseException | None, over: str | None = None) -> Verdict | None:
         return verdict(failure, over)
@@ -77,6 +97,9 @@ class OneProcess:
     def all_reduce(self, tensor: Any) -> None:
         pass
 
+    def sync_gradients(self, tensor: Any) -> None:
+        pass
+
 
 _CODES = {None: 0, "error": 1, "oom": 2}
 """Verdicts ordered by how bad they are: an out-of-memory outranks an error."""
@@ -89,6 +112,7 @@ class ProcessGroup:
     """
 
     simulated = False
+    sharded = False
 
     def __init__(self, device: Any) -> None:
         import torch.distributed as dist
@@ -123,6 +147,9 @@ class ProcessGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one collective for all of them
         return t.tolist()
 
+    def place(self, module: Any, device: Any) -> Any:
+        return module.to(device)
+
     def data_parallel(self, module: Any) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -139,6 +166,9 @@ class ProcessGroup:
         import torch.distributed as dist
 
         dist.all_reduce(tensor)
+
+    def sync_gradients(self, tensor: Any) -> None:
+        self.all_reduce(tensor)
 
 
 def _no_forward_buffer_sync() -> dict[str, bool]:

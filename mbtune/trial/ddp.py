@@ -20,7 +20,8 @@ a second Ray driver per trial (seconds to connect) and gain nothing.
 
 What a rank runs is the one measurement loop (mbtune.trial.measure) over a torch.distributed
 process group (mbtune.trial.collectives.ProcessGroup); this module is only the Ray Train run
-around it.
+around it. With ``trial.sharding: fsdp`` the rank's group is mbtune.trial.sharding's: each
+worker holds only its shard of the model (FSDP2), and no DDP wrapper runs on top of it.
 
 Failures. Ranks agree on the status before going on wherever that is safe (mbtune.trial.measure
 says where): an out-of-memory or error there becomes the whole trial's ``oom`` or
@@ -48,7 +49,14 @@ from mbtune.config.experiment import Experiment
 from mbtune.lattice import BatchConfig
 from mbtune.trial.collectives import ProcessGroup
 from mbtune.trial.measure import Measurement, measure, resolve_device
-from mbtune.trial.memory import find_oom, reason_line, release, short_reason
+from mbtune.trial.memory import (
+    find_oom,
+    fixed_mmap_threshold,
+    reason_line,
+    release,
+    short_reason,
+)
+from mbtune.trial.sharding import FullyShardedGroup
 
 __all__ = ["EXIT_TIMED_OUT", "FIT_GRACE_S", "HEALTH_CHECK_INTERVAL_S", "measure_ddp"]
 
@@ -281,7 +289,13 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> Measurement:
 
     torch.set_num_threads(exp.cpu_threads)  # as a simulated trial: the CPUs it holds
     device = _rank_device(torch, exp.trial.device)
-    measured = measure(exp, config, device, ProcessGroup(device))
+    if device.type == "cpu":
+        fixed_mmap_threshold()  # the peak is the process's: count what it held
+    if exp.trial.sharding == "fsdp":
+        group = FullyShardedGroup(device, exp.trial, seed=exp.search.seed)
+    else:
+        group = ProcessGroup(device)
+    measured = measure(exp, config, device, group)
     if measured.status != "ok":
         release(torch, device)  # the rank stops here; an OOM leaves tensors behind
     return measured

@@ -5,7 +5,8 @@ step (which compiles), the warm-up and the timed steps, and the forward-only pas
 collectives object (mbtune.trial.collectives): with ``OneProcess`` (``trial.parallel:
 simulate``) every collective does nothing, and the one process stands for the busiest
 device; with ``ProcessGroup`` (``ddp``, in each Ray Train worker) the model runs under
-``DistributedDataParallel`` and the ranks agree. Either way the loop gives a
+``DistributedDataParallel`` (or, with ``trial.sharding: fsdp``, sharded by FSDP2:
+mbtune.trial.sharding) and the ranks agree. Either way the loop gives a
 :class:`Measurement`, which mbtune.trial.trial turns into a TrialResult.
 
 Where ranks agree (ddp; on one process the same calls only classify a failure). After
@@ -15,7 +16,9 @@ trial's ``oom`` or ``error`` on every rank at once. Before each synchronised ste
 memory budget: also the barrier that starts the step on every rank together. A failure
 inside a synchronised step cannot be agreed on (the other ranks wait in DDP's all-reduce,
 where no other collective can be matched): the rank raises, and mbtune.trial.ddp reads the
-status from the rank's error. On one process a failure anywhere is the result.
+status from the rank's error. A sharded trial has collectives in every pass (FSDP's
+all-gathers), its first step included: only the build is agreed on, a failure in any step
+raises. On one process a failure anywhere is the result.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def measure(
     """
     tr = exp.trial
     precision = for_device(tr.precision, device)
-    spec = build_spec(exp, config)
+    spec = build_spec(exp, config, meta=collectives.sharded)
     config, note = full_batch_if_mixing(spec, config)
     started = Measurement(
         config=config,
@@ -159,13 +162,15 @@ def _timed_steps(
     failure = None
     try:
         torch.manual_seed(exp.search.seed + group.rank)  # each rank its own samples
-        module = spec.module.to(device)
+        module = group.place(spec.module, device)  # sharded: this rank's shard only
         module.train()
         batches = split_batch(spec.make_batch(sum(sizes), device), sizes)
         if tr.compile and tr.dynamic:
             _mark_batch_dynamic(batches)
-        # counted once, eagerly, before compiling and outside the timing
-        flops_per_sample = count_flops_per_sample(spec.loss_fn, module, batches[0], sizes[0])
+        # counted once, eagerly, before compiling and outside the timing (sharded: below,
+        # once every rank is built, as its forward pass all-gathers)
+        if not group.sharded:
+            flops_per_sample = count_flops_per_sample(spec.loss_fn, module, batches[0], sizes[0])
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     except Exception as e:
         failure = e
@@ -174,13 +179,18 @@ def _timed_steps(
         return stop(verdict)
 
     wrapped = group.data_parallel(module)
-    model = _compile(wrapped, tr) if tr.compile else wrapped
+    if group.sharded:  # its blocks compiled one by one as it was placed
+        flops_per_sample = count_flops_per_sample(spec.loss_fn, module, batches[0], sizes[0])
+    model = _compile(wrapped, tr) if tr.compile and not group.sharded else wrapped
     loss_fn = precision.loss(spec.loss_fn)
     # each micro-batch's mean loss is weighted by its share of the process's samples; DDP
     # averages over the ranks, so there a share is of B / n (uneven ranks included)
     total = sum(sizes) if group.world_size == 1 else config.batch_size / group.world_size
 
     def local_step(zero_grads: bool = False) -> None:
+        if group.sharded:  # FSDP communicates in every pass: no step is local
+            step()
+            return
         with group.no_sync(wrapped):
             accumulate_gradients(loss_fn, model, batches, total=total)
         if zero_grads and group.world_size > 1:  # every rank's weights stay equal
@@ -205,6 +215,8 @@ def _timed_steps(
         try:
             first = timed(lambda: local_step(zero_grads=True))
         except Exception as e:
+            if group.sharded:
+                raise  # the other ranks wait in FSDP's collectives: no agreeing here
             failure = e
         verdict = group.agree(failure)
         if verdict:
@@ -230,9 +242,10 @@ def _timed_steps(
         if retries is not None and retries_before is not None:
             retries -= retries_before
         # 4. the compute alone: one process's steps are that; ddp's again, without DDP's
-        # all-reduce
+        # all-reduce; a sharded step's collectives overlap its compute and cannot be taken
+        # out of it: its compute is the whole step
         compute = list(steps)
-        if not group.simulated:
+        if not group.simulated and not group.sharded:
             compute = []
             for _ in range(tr.measure_steps if verdict is None else 0):
                 verdict = group.agree(None, over())
@@ -243,7 +256,8 @@ def _timed_steps(
         eval_s = _eval_time(loss_fn, model, batches, timed) if tr.eval and not verdict else None
     peak = memory.peak_memory(torch, device)
     verdict = verdict or group.agree(None, memory.over_budget(tr, budget, peak))
-    # 6. ddp: the all-reduce alone, of the gradient's bytes as one buffer
+    # 6. ddp: the gradient sync alone, of the gradient's bytes as one buffer (DDP's
+    # all-reduce; sharded: FSDP's all-gather and reduce-scatter)
     grad_bytes = gradient_bytes(module)
     comm: list[float] = []
     if not group.simulated and verdict is None:
@@ -253,7 +267,7 @@ def _timed_steps(
         flat = torch.zeros(grad_bytes // itemsize, dtype=dtype, device=device)
         for _ in range(tr.measure_steps):
             group.agree(None)  # a barrier: every rank starts the all-reduce together
-            comm.append(timed(lambda: group.all_reduce(flat)))
+            comm.append(timed(lambda: group.sync_gradients(flat)))
 
     # every figure is the slowest rank's (one collective for all of them)
     reserved = memory.peak_reserved(torch, device)
@@ -287,14 +301,21 @@ def _optimizer_step(precision: Any, optimizer: Any) -> None:
 # the microbatched step
 
 
-def build_spec(exp: Experiment, config: BatchConfig) -> Any:
+def build_spec(exp: Experiment, config: BatchConfig, *, meta: bool = False) -> Any:
     """The model of ``exp`` as ``config`` runs it: seeded, and with activation
-    checkpointing where the configuration has it (a simulated trial and a ddp rank alike)."""
+    checkpointing where the configuration has it (a simulated trial and a ddp rank alike).
+    ``meta``: built on torch's meta device, no memory and no values (a sharded rank
+    materializes only its shard: mbtune.trial.sharding)."""
+    import torch
+
     from mbtune.models.build import build_from_config
 
-    return build_from_config(
-        exp.model, seed=exp.search.seed, activation_checkpointing=config.activation_checkpointing
-    )
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return build_from_config(
+            exp.model,
+            seed=exp.search.seed,
+            activation_checkpointing=config.activation_checkpointing,
+        )
 
 
 def full_batch_if_mixing(spec: Any, config: BatchConfig) -> tuple[BatchConfig, str | None]:

@@ -117,6 +117,8 @@ class TrialResult:
     parallel: str = "simulate"
     """``simulate`` (one device measured, all-reduce modelled) or ``ddp`` (every device a
     real process: step times, compute and all-reduce all measured)."""
+    sharding: str = "none"
+    """``none`` (each device held the whole model) or ``fsdp`` (each ddp worker its shard)."""
     reason: str | None = None
     """Why the status is not ok, in one line."""
     note: str | None = None
@@ -301,6 +303,7 @@ def _base_result(
         device=device,
         backend=exp.trial.backend,
         parallel=exp.trial.parallel,
+        sharding=exp.trial.sharding,
         note=note,
     )
 

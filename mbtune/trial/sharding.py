@@ -1,0 +1,190 @@
+"""Sharded trials (``trial.sharding: fsdp``): each ddp rank holds only its shard of the model.
+
+With ``fsdp`` every Ray Train worker of a ``parallel: ddp`` trial wraps the model with
+PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per block (the classes
+a model names, see :func:`shard_units`) and the root. No worker ever holds the whole model:
+the model is built on the meta device (mbtune.trial.measure), sharded, materialized empty
+on the device with ``to_empty`` and initialised by its own init (:func:`materialize`), so
+that a CPU trial's peak, the process's high-water mark, shows the saving.
+
+The initialisation is the model's own (``init_weights()`` where the model has one; a
+transformers model's ``initialize_weights()``; else each submodule's
+``reset_parameters()``), run after the torch seed, with every random fill of a sharded
+parameter drawing the whole parameter and keeping this rank's shard: one parameter is whole
+at a time, every rank agrees, and the result is the unsharded model's own init of the same
+seed (for the built-in gpt exactly; tests/test_sharding.py checks it).
+
+:class:`FullyShardedGroup` is mbtune.trial.collectives' ``ProcessGroup`` for such a rank:
+it places the model (shards and materializes it), runs no DDP all-reduce on top of FSDP
+(FSDP reduce-scatters the gradients itself, in the backward pass of a step's last
+micro-batch; the others run under ``set_requires_gradient_sync(False)``), and times one
+step's bytes as FSDP moves them (an all-gather and a reduce-scatter). ``trial.precision``
+becomes FSDP2's ``MixedPrecisionPolicy`` (parameters in the compute dtype, gradients
+reduced in fp32); with compile on, each block is compiled on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from mbtune.config.schema import TrialConfig
+from mbtune.errors import MbtuneError
+from mbtune.trial.collectives import ProcessGroup
+from mbtune.trial.precision import resolve
+
+__all__ = ["SHARD_BLOCKS_ATTR", "FullyShardedGroup", "materialize", "shard_units"]
+
+SHARD_BLOCKS_ATTR = "shard_blocks"
+"""The attribute a model sets to the class name(s) of its blocks, one FSDP unit each (the
+built-in gpt: ``Block``). A transformers model's ``_no_split_modules`` serves the same; a
+model with neither is sharded by its top-level children."""
+
+_RANDOM_FILLS = frozenset(
+    ["normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_",
+     "geometric_"]
+)  # fmt: skip
+"""In-place random fills (aten): on a shard they must draw the whole parameter."""
+
+
+class FullyShardedGroup(ProcessGroup):
+    """The collectives of one rank of a sharded trial (``trial.sharding: fsdp``)."""
+
+    sharded = True
+
+    def __init__(self, device: Any, trial: TrialConfig, *, seed: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super().__init__(device)
+        self.trial, self.seed = trial, seed
+        # explicit, on the CPU too: FSDP2 without a mesh assumes CUDA (pytorch issue 132471);
+        # made here, where every rank arrives, not where a failing build may leave one out
+        self.mesh = init_device_mesh(device.type, (self.world_size,))
+
+    def place(self, module: Any, device: Any) -> Any:
+        """Shard ``module`` (built on the meta device), then materialize and initialise this
+        rank's shard on ``device``. No collective: a failure here can be agreed on."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        tr = self.trial
+        policy = mixed_precision(resolve(tr.precision, device))
+        for unit in shard_units(module):
+            if tr.compile:  # per block, as torchtitan: FSDP's hooks stay outside the graphs
+                unit.compile(mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
+            fully_shard(unit, mesh=self.mesh, mp_policy=policy or MixedPrecisionPolicy())
+        fully_shard(module, mesh=self.mesh, mp_policy=policy or MixedPrecisionPolicy())
+        materialize(module, device, seed=self.seed)
+        return module
+
+    def data_parallel(self, module: Any) -> Any:
+        return module  # sharded already: FSDP's hooks all-gather and reduce-scatter
+
+    @contextlib.contextmanager
+    def no_sync(self, model: Any) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def sync_gradients(self, tensor: Any) -> None:
+        """One step's bytes as FSDP moves them: an all-gather of the parameters and a
+        reduce-scatter of the gradients (together an all-reduce's traffic)."""
+        import torch
+        import torch.distributed as dist
+
+        n = self.world_size
+        padded = torch.nn.functional.pad(tensor, (0, -tensor.numel() % n))
+        shard = padded.new_empty(padded.numel() // n)
+        dist.reduce_scatter_tensor(shard, padded)
+        dist.all_gather_into_tensor(padded, shard)
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's policy for a resolved ``trial.precision``: parameters all-gathered in the
+    compute dtype, gradients reduced in fp32; None for fp32 and tf32 (nothing to cast)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_units(module: Any) -> list[Any]:
+    """The submodules that become FSDP units of their own: the blocks the model names
+    (``shard_blocks``, else a transformers model's ``_no_split_modules``), else its
+    top-level children that hold parameters and share none with another child (a tied
+    embedding stays with the root)."""
+    names = getattr(module, SHARD_BLOCKS_ATTR, None) or getattr(module, "_no_split_modules", None)
+    if names:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        units = [m for m in module.modules() if m is not module and type(m).__name__ in names]
+        if not units:
+            raise MbtuneError(
+                f"trial.sharding: {type(module).__name__} names its blocks "
+                f"{', '.join(names)}, but has no submodule of that class; set "
+                f"model.{SHARD_BLOCKS_ATTR} to the class name of its repeated block"
+            )
+        return units
+    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    owners = Counter(id(p) for c in children for p in c.parameters())
+    return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
+
+
+def materialize(module: Any, device: Any, *, seed: int) -> None:
+    """Give ``module``'s parameters (sharded, on the meta device) memory on ``device`` and
+    the model's own initial values under ``seed``, whole parameter by whole parameter."""
+    import torch
+
+    module.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad(), _whole_then_shard():
+        _init_weights(module)
+
+
+def _init_weights(module: Any) -> None:
+    """The model's own init: ``init_weights()`` (the built-in gpt, a user model that has
+    one), transformers' ``initialize_weights()``, else every ``reset_parameters()``."""
+    if callable(getattr(module, "initialize_weights", None)) and hasattr(module, "_init_weights"):
+        for m in module.modules():  # transformers skips what it marked as initialised
+            m.__dict__.pop("_is_hf_initialized", None)
+        module.initialize_weights()
+    elif callable(getattr(module, "init_weights", None)):
+        module.init_weights()
+    else:
+        for m in module.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+
+
+def _whole_then_shard() -> Any:
+    """A dispatch mode in which a random fill of a sharded parameter draws the whole."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WholeThenShard(TorchDispatchMode):
+        """A random fill of a sharded parameter draws the whole parameter from torch's RNG
+        (as the unsharded model would) and keeps this rank's shard of it."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            target = args[0] if args else None
+            if func.overloadpacket.__name__ in _RANDOM_FILLS and isinstance(target, DTensor):
+                import torch
+
+                local = target.to_local()
+                whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+                func(whole, *args[1:], **kwargs)
+                # src_data_rank None: every rank cuts its own shard, no collective
+                mine = distribute_tensor(
+                    whole, target.device_mesh, target.placements, src_data_rank=None
+                )
+                local.copy_(mine.to_local())
+                return target
+            return func(*args, **kwargs)
+
+    return WholeThenShard()

@@ -1,0 +1,171 @@
+"""Sharded trials (trial.sharding: fsdp): the units each model is cut into, the init that
+equals the unsharded one, the step whose loss and gradients equal one process's, and
+trials on Ray Train whose workers hold only their shards (a built-in gpt, a transformers
+Llama built from its config)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mbtune.config.load import parse_experiment
+from mbtune.config.schema import TrialConfig
+from mbtune.lattice import BatchConfig
+from mbtune.models.build import build_model
+from mbtune.trial.sharding import mixed_precision, shard_units
+from mbtune.trial.trial import run_trial
+
+CPU = torch.device("cpu")
+GPT = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 8, "vocab_size": 64, "dropout": 0.0}
+
+# -- the units ---------------------------------------------------------------------------
+
+
+def test_gpt_is_sharded_by_its_blocks_and_a_model_without_blocks_by_its_children():
+    gpt = build_model("gpt", GPT).module
+    assert shard_units(gpt) == list(gpt.blocks)
+    tied = torch.nn.Module()
+    tied.emb, tied.body, tied.head = (
+        torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 4, bias=False)
+    )  # fmt: skip
+    tied.head.weight = tied.emb.weight
+    tied.act = torch.nn.ReLU()  # no parameters: no unit
+    assert shard_units(tied) == [tied.body]  # the tied pair stays with the root
+
+
+def test_a_model_names_its_blocks_with_shard_blocks():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    model.shard_blocks = "Linear"
+    assert shard_units(model) == [model[0], model[1][0]]
+    model.shard_blocks = ("Blok",)
+    with pytest.raises(Exception, match=r"^trial\.sharding: Sequential names its blocks Blok, "):
+        shard_units(model)
+
+
+def test_precision_becomes_fsdps_mixed_precision_policy():
+    bf16 = mixed_precision("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision("fp16").param_dtype == torch.float16
+    assert mixed_precision("fp32") is None and mixed_precision("tf32") is None
+
+
+def test_the_gpt_built_on_the_meta_device_has_no_memory_and_the_same_init_after():
+    with torch.device("meta"):
+        meta = build_model("gpt", GPT, seed=3).module
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device=CPU)
+    meta.lm_head.weight = meta.wte.weight
+    torch.manual_seed(3)
+    meta.init_weights()
+    whole = build_model("gpt", GPT, seed=3).module
+    for a, b in zip(meta.state_dict().values(), whole.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+# -- two gloo ranks: the init and the step -------------------------------------------------
+
+
+def _sharded_rank(rank: int, world: int, init: str) -> None:
+    """FSDP on 2 ranks, 2 micro-batches each, against one process's full batch."""
+    import torch.distributed as dist
+
+    from mbtune.trial.measure import synced_step
+    from mbtune.trial.sharding import FullyShardedGroup
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        whole = build_model("gpt", GPT, seed=3)
+        with torch.device("meta"):
+            spec = build_model("gpt", GPT, seed=3)
+        trial = TrialConfig(parallel="ddp", sharding="fsdp", compile=False, precision="fp32")
+        group = FullyShardedGroup(CPU, trial, seed=3)
+        model = group.data_parallel(group.place(spec.module, CPU))
+        assert model.lm_head.weight is model.wte.weight  # still tied
+        # the init: each rank's shards are the unsharded init of the same seed
+        for (name, p), q in zip(model.named_parameters(), whole.module.parameters(), strict=True):
+            assert p.to_local().numel() < q.numel(), name  # a shard, not the whole
+            torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=0)
+
+        # the step: B = 8 over 2 ranks, 2 micro-batches of 2 each; the others unsynced
+        torch.manual_seed(1)
+        batch = whole.make_batch(8, CPU)
+        whole.loss_fn(whole.module, batch).backward()
+        with torch.no_grad():
+            full_loss = whole.loss_fn(whole.module, batch)
+        share = tuple(t[4 * rank : 4 * rank + 4] for t in batch)
+        micro = [tuple(t[a : a + 2] for t in share) for a in (0, 2)]
+        losses = []
+
+        def loss_fn(module, b):
+            value = spec.loss_fn(module, b)
+            losses.append(value.detach() * 2 / 8)  # its share of the global mean
+            return value
+
+        synced_step(loss_fn, model, micro, total=8 / world, no_sync=lambda: group.no_sync(model))
+        loss = torch.stack(losses).sum()
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss, full_loss, rtol=1e-4, atol=0)
+        for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_on_two_ranks_inits_and_steps_as_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_rank, args=(2, f"file://{tmp_path}/pg"), nprocs=2, join=True)
+
+
+# -- trials on Ray Train -------------------------------------------------------------------
+
+
+def _experiment(model: dict, sharding: str, batch_size: int = 4) -> object:
+    return parse_experiment(
+        {
+            "name": "sharded",
+            "model": model,
+            "train_input": {"batch_size": batch_size, "micro_batch_size": 2, "num_devices": 2},
+            "trial": {
+                "parallel": "ddp",
+                "sharding": sharding,
+                "device": "cpu",
+                "precision": "fp32",
+                "compile": False,
+                "warmup_steps": 0,
+                "measure_steps": 1,
+                "timeout_s": 240,
+            },  # fmt: skip
+        }
+    )
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sharded_gpt_trial_is_ok_and_each_worker_holds_much_less(ray_session):
+    """58M parameters (8 blocks of width 768) dominate a worker's memory: sharded, each of
+    the 2 workers holds half the weights, gradients and Adam states."""
+    gpt = {"name": "gpt", "n_layer": 8, "d_model": 768, "n_head": 8, "seq_len": 16,
+           "vocab_size": 1024}  # fmt: skip
+    sharded = run_trial(_experiment(gpt, "fsdp"), BatchConfig(4, 2, 2))
+    assert (sharded.status, sharded.reason, sharded.sharding) == ("ok", None, "fsdp")
+    assert sharded.samples_per_s > 0 and sharded.comm_time_ms > 0
+    whole = run_trial(_experiment(gpt, "none"), BatchConfig(4, 2, 2))
+    assert (whole.status, whole.sharding) == ("ok", "none")
+    ratio = sharded.peak_memory_bytes / whole.peak_memory_bytes
+    print(f"peak fsdp {sharded.peak_memory_bytes / 2**20:.0f} MiB, none "
+          f"{whole.peak_memory_bytes / 2**20:.0f} MiB: {ratio:.2f}")  # fmt: skip
+    assert ratio <= 0.8
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_transformers_llama_from_its_config_runs_sharded(ray_session):
+    pytest.importorskip("transformers")
+    llama = {"name": "hf:llama", "num_hidden_layers": 2, "hidden_size": 32,
+             "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "vocab_size": 128, "seq_len": 16}  # fmt: skip
+    # accumulation: B = 8, m = 2, g = 2 per worker, the first micro-batch unsynced
+    r = run_trial(_experiment(llama, "fsdp", batch_size=8), BatchConfig(8, 2, 2))
+    assert (r.status, r.reason, r.sharding, r.grad_accum_steps) == ("ok", None, "fsdp", 2)
+    assert r.flops_per_sample > 0
