@@ -31,6 +31,7 @@ from _common import BENCH, machine, save
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import observation
+from mbtune.runs.record import TrialRecord
 from mbtune.search import make_searcher, search_points, settled
 from mbtune.trial.trial import trial_metrics
 
@@ -80,7 +81,7 @@ def search(exp) -> dict:
         config = BatchConfig.from_mapping(params)
         result = trial_metrics(exp, config, repeat=params["repeat"])
         searcher.on_trial_complete(f"t{i}", result)
-        observations.append(observation(result))
+        observations.append(observation(TrialRecord.from_result({**result, "trial": i + 1})))
         a = searcher.model.assess(observations)
         looks = a.looks.get(a.recommended, 0)
         if settled(a.confidence, looks, target=s.confidence_target, max_repeats=s.max_repeats,

@@ -49,6 +49,7 @@ from search_efficiency import drawn_landscapes, landscapes, replay_search
 
 from mbtune.config.experiment import DEFAULT_NOISE_FLOOR
 from mbtune.recommend.confidence import SearchModel, observation
+from mbtune.runs.record import TrialRecord
 from mbtune.search import settled
 
 TARGET = 90
@@ -70,7 +71,7 @@ def search(table, sampler: str, seed: int, drift: float = 0.0) -> list[tuple[int
     observations, out = [], []
     for i, _, result in replay_search(table, sampler, seed, drift=drift, noise_floor=floor,
                                       trials=trials):  # fmt: skip
-        observations.append(observation(result))
+        observations.append(observation(TrialRecord.from_result({**result, "trial": i})))
         a = model.assess(observations)
         if a.recommended is not None:
             looks = a.looks.get(a.recommended, 0)

@@ -19,17 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mbtune.lattice import BatchConfig
 
 if TYPE_CHECKING:
     from mbtune.config.experiment import Experiment
+    from mbtune.runs.record import TrialRecord
     from mbtune.trial.trial import TrialResult
 
 __all__ = [
-    "RunRecommendation",
-    "StreamRecommendation",
     "devices_split",
     "experiment_lines",
     "export_header",
@@ -43,8 +42,6 @@ __all__ = [
     "summary_lines",
     "trial_line",
 ]
-
-Row = Mapping[str, Any]
 
 
 def sizes(config: BatchConfig) -> str:
@@ -110,31 +107,26 @@ def step_suffix(precision: str | None, activation_checkpointing: bool) -> str:
     return "".join(f", {w}" for w in words)
 
 
-def _known(value: Any) -> bool:
-    """A figure trials.csv holds: a CSV cell that was not measured is empty."""
-    return value not in (None, "")
-
-
-def trial_line(row: Row) -> str:
-    """The stream's line for one finished trial (a trials.csv row), stamped with the time."""
-    speed, mfu = row.get("samples_per_s"), row.get("mfu")
-    figure = f"{float(speed):,.1f} samples/s" if _known(speed) else "-"
-    figure += f", MFU {float(mfu):.0%}" if _known(mfu) else ""
-    status = row["status"] + (f" ({row['reason']})" if row.get("reason") else "")
-    config = BatchConfig.from_mapping(row)
-    step = step_suffix(row.get("precision"), config.activation_checkpointing)
+def trial_line(r: TrialRecord) -> str:
+    """The stream's line for one finished trial, stamped with the time."""
+    figure = f"{r.samples_per_s:,.1f} samples/s" if r.samples_per_s is not None else "-"
+    figure += f", MFU {r.mfu:.0%}" if r.mfu is not None else ""
+    status = f"{r.status}" + (f" ({r.reason})" if r.reason else "")
+    step = step_suffix(r.precision, r.activation_checkpointing)
     return (
-        f"mbtune {time.strftime('%H:%M:%S')}  trial {row['trial']:>3}  {sizes(config)}{step}: "
+        f"mbtune {time.strftime('%H:%M:%S')}  trial {r.trial:>3}  {sizes(r.config)}{step}: "
         f"{figure}  {status}"
     )
 
 
-def summary_lines(rows: Sequence[Row], summary: Mapping[str, Any], run_path: Path) -> list[str]:
+def summary_lines(
+    records: Sequence[TrialRecord], summary: Mapping[str, Any], run_path: Path
+) -> list[str]:
     """The end of a search for a person: how many trials, the recommendation with its
     speed-ups, the nearest valid batch size, compile break-even, and the top five
     (``summary``: the reporter's summary.json)."""
-    failed = sum(r["status"] != "ok" for r in rows)
-    lines = [f"mbtune: {len(rows)} trials finished ({failed} not ok); results in {run_path}"]
+    failed = sum(r.status != "ok" for r in records)
+    lines = [f"mbtune: {len(records)} trials finished ({failed} not ok); results in {run_path}"]
     best = summary["recommended"]
     if best is None:
         return [*lines, "mbtune: no configuration ran successfully"]
@@ -213,74 +205,50 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# a recommendation
+# a recommendation: the stream's after each trial (mbtune.recommend.reporter's
+# StreamRecommendation), a finished run's read back (mbtune.analysis.frames' RunRecommendation)
 
 
-class StreamRecommendation(Protocol):
-    """What the stream says of a recommendation (reporter.Recommendation has it)."""
-
-    @property
-    def time(self) -> str:
-        """When it was made, ISO (its clock is shown)."""
-
-    @property
-    def config(self) -> BatchConfig: ...
-    @property
-    def estimated_performance(self) -> float: ...
-    @property
-    def confidence(self) -> int: ...
-    @property
-    def precision(self) -> str | None: ...
-    @property
-    def mfu(self) -> float | None: ...
-
-
-def stream_line(rec: StreamRecommendation) -> str:
-    """The stream's recommendation after a trial."""
-    c = rec.config
-    step = step_suffix(rec.precision, c.activation_checkpointing)
-    mfu = f", MFU {rec.mfu:.0%}" if rec.mfu is not None else ""
+def stream_line(
+    *,
+    made_at: str,
+    config: BatchConfig,
+    estimated_performance: float,
+    confidence: int,
+    precision: str | None,
+    mfu: float | None,
+) -> str:
+    """The stream's recommendation after a trial; ``made_at``: when, ISO (its clock is
+    shown)."""
+    c = config
+    step = step_suffix(precision, c.activation_checkpointing)
+    shown_mfu = f", MFU {mfu:.0%}" if mfu is not None else ""
     return (
-        f"mbtune {rec.time[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
+        f"mbtune {made_at[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
         f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}{step}), estimated "
-        f"performance: {rec.estimated_performance:.2f}x base{mfu}, confidence score: "
-        f"{rec.confidence} (out of 100)"
+        f"performance: {estimated_performance:.2f}x base{shown_mfu}, confidence score: "
+        f"{confidence} (out of 100)"
     )
 
 
-class RunRecommendation(Protocol):
-    """What ``mbtune analyze`` says of a run's recommendation (mbtune.analysis.frames.Recommendation
-    has it)."""
-
-    @property
-    def config(self) -> BatchConfig: ...
-    @property
-    def source(self) -> str:
-        """Where it came from: summary.json, or the best ok trial."""
-
-    @property
-    def samples_per_s(self) -> float | None: ...
-    @property
-    def confidence(self) -> int | None: ...
-    @property
-    def recommended_batch_size(self) -> int | None: ...
-    @property
-    def precision(self) -> str | None: ...
-
-
-def recommended_line(rec: RunRecommendation) -> str:
-    """``mbtune analyze``'s recommendation of a run."""
-    c, g = rec.config, rec.config.grad_accum_steps
-    speed = f": {rec.samples_per_s:,.1f} samples/s" if rec.samples_per_s is not None else ""
-    source = rec.source + (f", confidence {rec.confidence}" if rec.confidence is not None else "")
-    batch = (
-        f"; recommended global batch {rec.recommended_batch_size}"
-        if rec.recommended_batch_size
-        else ""
-    )
-    step = step_suffix(rec.precision, c.activation_checkpointing)
+def recommended_line(
+    config: BatchConfig,
+    *,
+    source: str,
+    samples_per_s: float | None,
+    confidence: int | None,
+    recommended_batch_size: int | None,
+    precision: str | None,
+) -> str:
+    """``mbtune analyze``'s recommendation of a run; ``source``: where it came from
+    (summary.json, or the best ok trial)."""
+    c, g = config, config.grad_accum_steps
+    speed = f": {samples_per_s:,.1f} samples/s" if samples_per_s is not None else ""
+    origin = source + (f", confidence {confidence}" if confidence is not None else "")
+    batch = f"; recommended global batch {recommended_batch_size}" if recommended_batch_size else ""
+    step = step_suffix(precision, c.activation_checkpointing)
     return (
-        f"recommended ({source}): {sizes(c)} ({_plural(g, 'micro-batch', 'es')} per "
+        f"recommended ({origin}): {sizes(c)} ({_plural(g, 'micro-batch', 'es')} per "
         f"device{step}){speed}{batch}"
     )
 

@@ -17,7 +17,7 @@ import mbtune
 from mbtune.analysis import frames as analysis
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
-from mbtune.runs.load import COLUMNS, load_run, load_runs
+from mbtune.runs.load import COLUMNS, load_recommendations, load_run, load_runs, run_info
 from mbtune.runs.rundir import TRIAL_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def test_an_interrupted_run_is_read_as_far_as_it_got(tmp_path):
     df = load_run(path)
     assert df["trial"].tolist() == [1, 2, 3] and df["status"].tolist() == ["ok", "ok", "oom"]
     assert df["samples_per_s"].tolist()[:2] == [300.0, 630.0]
-    info = analysis.run_info(path)
+    info = run_info(path)
     assert info.summary is None and info.recommendations is None
     assert analysis.recommendation(df, info).config.sizes() == {
         "batch_size": 32, "num_devices": 2, "micro_batch_size": 8
@@ -239,17 +239,17 @@ def test_the_recommendation_comes_from_summary_json_else_the_best_trial(tmp_path
                "recommended": {"batch_size": 32, "num_devices": 1, "micro_batch_size": 8,
                                "samples_per_s": 320.0}}  # fmt: skip
     path = make_run(tmp_path, FINISHED_ROWS, summary=summary)
-    rec = analysis.recommendation(load_run(path), analysis.run_info(path))
+    rec = analysis.recommendation(load_run(path), run_info(path))
     assert (rec.config.num_devices, rec.config.micro_batch_size, rec.source) == (
         1, 8, "summary.json"
     )  # fmt: skip
     assert (rec.confidence, rec.recommended_batch_size, rec.grad_accum_steps) == (80, 64, 4)
     (path / "summary.json").write_text('{"recommended": {"batch_size": "many"}}')
     with pytest.raises(MbtuneError, match="'recommended' needs batch_size"):
-        analysis.recommendation(load_run(path), analysis.run_info(path))
+        analysis.recommendation(load_run(path), run_info(path))
     (path / "summary.json").write_text("{not json")
     with pytest.raises(MbtuneError, match="summary.json is not valid JSON"):
-        analysis.run_info(path)
+        run_info(path)
 
 
 def test_no_recommendation_without_an_ok_trial(tmp_path):
@@ -260,16 +260,16 @@ def test_no_recommendation_without_an_ok_trial(tmp_path):
         MbtuneError,
         match=r"successfully \(2 trials: error 1, oom 1; first reason: oom for the test\); nothing",
     ):
-        analysis.recommendation(load_run(path), analysis.run_info(path))
+        analysis.recommendation(load_run(path), run_info(path))
 
 
 def test_recommendations_jsonl_skips_a_half_written_line(tmp_path):
     path = finished_run(tmp_path)
     with (path / "recommendations.jsonl").open("a") as f:
         f.write('{"time": "2026-11-21T19:41:12", "trials": 6, "confid')
-    recs = analysis.load_recommendations(path)
+    recs = load_recommendations(path)
     assert recs["trials"].tolist() == [1, 2, 5] and recs["confidence"].tolist() == [10, 40, 92]
-    assert analysis.load_recommendations(tmp_path) is None
+    assert load_recommendations(tmp_path) is None
 
 
 # ---------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_every_trial_result_field_is_a_column_of_trials_csv():
 
 def test_run_info_reads_the_typed_experiment_the_run_saved(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS)
-    info = analysis.run_info(path)
+    info = run_info(path)
     assert info.experiment.train_input.batch_size == 32
     assert (info.name, info.objective, info.device_memory_bytes, info.confidence_target) == (
         "handmade", "samples_per_s", 512 * 2**20, 90
@@ -345,7 +345,7 @@ def test_run_info_reads_the_typed_experiment_the_run_saved(tmp_path):
         match=r"^RUN_DIR: cannot read .*experiment\.yaml: train_input\.batch_size: 0 is out of "
         r"range; expected a whole number from 1 to \d+$",
     ):
-        analysis.run_info(path)
+        run_info(path)
     with pytest.raises(MbtuneError, match=r"^RUN_DIR: cannot read .*experiment\.yaml: "):
         load_run(path)
 
@@ -370,7 +370,7 @@ def test_repeats_are_shown_with_their_spread_in_the_report_and_the_plot(tmp_path
     assert row["spread"] == pytest.approx(
         np.std([500, 450, 480], ddof=1) / np.mean([500, 450, 480])
     )
-    report = analysis.run_report(trials, analysis.run_info(path))
+    report = analysis.run_report(trials, run_info(path))
     assert "configurations measured more than once" in report and "5.3%" in report
     pytest.importorskip("matplotlib")
     from matplotlib.collections import LineCollection
@@ -390,3 +390,190 @@ def test_repeats_are_shown_with_their_spread_in_the_report_and_the_plot(tmp_path
                   for line in lines) + "\n"
     )  # fmt: skip
     assert load_run(older)["repeat"].tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------------
+# a configuration is named by every searched dimension (CONFIG_KEY)
+
+
+def test_config_key_is_every_searched_column():
+    from mbtune.runs.record import CONFIG_KEY, SIZES
+
+    assert [*SIZES, "activation_checkpointing"] == list(CONFIG_KEY)
+
+
+def test_best_per_config_keeps_checkpointing_on_and_off_apart(tmp_path):
+    rows = [
+        trial_row(32, 1, 8, 300.0),
+        trial_row(32, 1, 8, 250.0, activation_checkpointing=True),
+        trial_row(32, 1, 8, 310.0),
+        trial_row(32, 1, 16, status="oom"),
+        trial_row(32, 1, 16, 280.0, activation_checkpointing=True),
+    ]
+    best = analysis.best_per_config(load_run(make_run(tmp_path, rows)))
+    kept = best[["micro_batch_size", "activation_checkpointing", "samples_per_s", "status"]]
+    assert kept.fillna({"samples_per_s": 0.0}).values.tolist() == [
+        [8, False, 310.0, "ok"], [16, False, 0.0, "oom"], [8, True, 250.0, "ok"],
+        [16, True, 280.0, "ok"],
+    ]  # fmt: skip
+
+
+def test_compare_runs_pairs_checkpointing_on_with_on_and_off_with_off(tmp_path):
+    a = load_run(make_run(tmp_path, [
+        trial_row(32, 1, 8, 300.0), trial_row(32, 1, 8, 250.0, activation_checkpointing=True),
+        trial_row(32, 1, 16, 400.0, activation_checkpointing=True),
+    ], name="a"))  # fmt: skip
+    b = load_run(make_run(tmp_path, [
+        trial_row(32, 1, 8, 330.0), trial_row(32, 1, 8, 200.0, activation_checkpointing=True),
+        trial_row(32, 1, 16, 500.0),
+    ], name="b"))  # fmt: skip
+    both = analysis.compare_runs(a, b)
+    assert list(both.columns[:4]) == [
+        "batch_size", "num_devices", "micro_batch_size", "activation_checkpointing"
+    ]  # fmt: skip
+    by_config = both.set_index(["micro_batch_size", "activation_checkpointing"])
+    assert len(both) == 4
+    assert by_config.loc[(8, False), "ratio"] == pytest.approx(1.1)
+    assert by_config.loc[(8, True), "ratio"] == pytest.approx(0.8)
+    # measured with checkpointing in a and without in b: not the same configuration
+    on_in_a, off_in_b = by_config.loc[(16, True)], by_config.loc[(16, False)]
+    assert on_in_a["samples_per_s_a"] == 400.0 and pd.isna(on_in_a["status_b"])
+    assert off_in_b["samples_per_s_b"] == 500.0 and pd.isna(off_in_b["status_a"])
+    assert by_config["ratio"].isna().tolist() == [False, False, True, True]
+    text = analysis.compare_report(a, b, run_info(tmp_path / "a"), run_info(tmp_path / "b"))
+    matched = "matched on (batch_size, num_devices, micro_batch_size, activation_checkpointing)"
+    assert matched in text
+
+
+def test_the_pivot_and_the_report_keep_checkpointing_apart(tmp_path):
+    rows = [
+        trial_row(32, 1, 8, 300.0), trial_row(32, 1, 8, 250.0, activation_checkpointing=True),
+        trial_row(32, 2, 8, 500.0), trial_row(32, 2, 16, status="oom"),
+        trial_row(32, 2, 16, 450.0, activation_checkpointing=True),
+    ]  # fmt: skip
+    path = make_run(tmp_path, rows)
+    df = load_run(path)
+    pivot = analysis.throughput_pivot(df)
+    assert pivot.columns.names == ["num_devices", "activation_checkpointing"]
+    assert pivot.loc[8, (1, False)] == 300.0 and pivot.loc[8, (1, True)] == 250.0
+    assert analysis.status_pivot(df).loc[16].tolist() == ["", "", "oom", "450.0"]
+    report = analysis.run_report(df, run_info(path))
+    assert "num_devices 2, activation_checkpointing False  num_devices 2, activation" in report
+    ranked_header = report.split("trials, best first by samples_per_s:\n")[1].splitlines()[0]
+    assert ranked_header.split()[3:7] == [
+        "num_devices", "micro_batch_size", "activation_checkpointing", "grad_accum_steps"
+    ]  # fmt: skip
+    # a run that measured one setting only reads as it always has
+    plain = load_run(make_run(tmp_path, FINISHED_ROWS, name="plain-20261121-194111"))
+    assert list(analysis.throughput_pivot(plain).columns) == [1, 2]
+    assert "activation_checkpointing" not in analysis.run_report(plain, run_info(path))
+
+
+def test_a_plot_draws_checkpointing_on_and_off_as_two_lines(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mbtune.analysis.plots import compare_figure, throughput_figure
+
+    rows = [trial_row(32, 1, 8, 300.0), trial_row(32, 1, 8, 250.0, activation_checkpointing=True),
+            trial_row(32, 1, 16, 320.0)]  # fmt: skip
+    df = load_run(make_run(tmp_path, rows))
+    ax = throughput_figure(df, title="t").axes[0]
+    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.lines}
+    assert lines["num_devices 1, activation_checkpointing False"] == [300.0, 320.0]
+    assert lines["num_devices 1, activation_checkpointing True"] == [250.0]
+    ax = compare_figure([df, df], ["a", "b"], title="t").axes[0]
+    assert "a, n 1, activation_checkpointing True" in [line.get_label() for line in ax.lines]
+
+
+# ---------------------------------------------------------------------------
+# the trial record and trials.csv's one reader
+
+
+def test_the_record_is_every_column_of_trials_csv():
+    import dataclasses
+
+    from mbtune.runs.record import CSV_COLUMNS, TrialRecord
+
+    fields = [f.name for f in dataclasses.fields(TrialRecord)]
+    assert fields == [*CSV_COLUMNS, "extras"]
+
+
+def test_a_record_writes_the_row_the_trial_reported_byte_for_byte(tmp_path):
+    """trials.csv's format is as before: a record writes the cells the result's own
+    values wrote (a whole number stays whole, a list is space-separated)."""
+    from mbtune.runs.record import TrialRecord
+    from mbtune.runs.rundir import RunDir
+
+    reported = {
+        "trial": 1, "trial_id": "t1", "repeat": 0, **trial_row(32, 2, 8, 630.0),
+        "peak_memory_bytes": 3 * 2**30, "micro_batches": [8, 8], "mixes_batch": False,
+    }  # fmt: skip
+    by_record, by_hand = RunDir.create(tmp_path, "r"), RunDir.create(tmp_path, "h")
+    by_record.append_trial(TrialRecord.from_result(reported))
+    by_hand.append_trial({k: v for k, v in reported.items() if k in TRIAL_COLUMNS})
+    text = by_record.trials_file.read_bytes()
+    assert text == by_hand.trials_file.read_bytes()
+    assert b",3221225472," in text and b",8 8," in text and b",630.0," in text
+    back = by_record.records()[0]
+    assert back.to_row() == TrialRecord.from_result(reported).to_row()
+    assert (back.peak_memory_bytes, back.micro_batches, back.activation_checkpointing) == (
+        3 * 2**30, (8, 8), False
+    )  # fmt: skip
+
+
+def test_a_record_needs_a_trial_number_and_sizes_that_form_a_configuration():
+    from mbtune.lattice import LatticeError
+    from mbtune.runs.record import TrialRecord
+
+    row = {"trial": "1", "status": "ok", "batch_size": "32", "num_devices": "2"}
+    with pytest.raises(ValueError, match="no whole number in micro_batch_size"):
+        TrialRecord.from_row(row)
+    with pytest.raises(ValueError, match="no whole number in trial"):
+        TrialRecord.from_row({**row, "trial": "", "micro_batch_size": "4"})
+    with pytest.raises(LatticeError, match="batch_size 1 is smaller than num_devices 2"):
+        TrialRecord.from_row({**row, "batch_size": "1", "micro_batch_size": "1"})
+    record = TrialRecord.from_row({**row, "micro_batch_size": "4.0", "samples_per_s": "x",
+                                   "step_times_ms": "1 y", "repeat": ""})  # fmt: skip
+    assert (record.micro_batch_size, record.samples_per_s, record.step_times_ms) == (4, None, ())
+    assert record.repeat == 0 and record.config.grad_accum_steps == 4
+
+
+DAMAGED = [
+    # (what a killed driver, or a hand, left after two whole rows; the trials read)
+    ("", [1, 2]),
+    ("3,t3,ok,32,1,8", [1, 2]),  # torn inside the row
+    ("\r", [1, 2]),  # torn between the last row's \r and \n: that row is whole
+    ("3,t3,ok\r\n", [1, 2]),  # whole, but too few fields
+    ("3,t3,ok,32,1,x" + "," * (len(TRIAL_COLUMNS) - 6) + "\r\n", [1, 2]),  # no micro_batch_size
+]
+
+
+@pytest.mark.parametrize(("tail", "trials"), DAMAGED)
+def test_one_rule_for_a_half_written_row_everywhere(tmp_path, tail, trials):
+    """The search resuming (RunDir.records, RunDir.trials) and the analysis (load_run)
+    read the same trials from the same damaged file, and the writer cuts exactly what
+    they drop before it appends."""
+    from mbtune.runs.rundir import RunDir, read_trials
+
+    path = make_run(tmp_path, FINISHED_ROWS[:2])
+    run = RunDir(path)
+    text = run.trials_file.read_bytes()
+    run.trials_file.write_bytes(text.removesuffix(b"\n") if tail == "\r" else text + tail.encode())
+    dropped = read_trials(run.trials_file).dropped
+    assert [r.trial for r in run.records()] == trials
+    assert [r["trial"] for r in run.trials()] == [str(t) for t in trials]
+    df = load_run(path)
+    assert df["trial"].tolist() == trials and df.attrs["dropped_rows"] == dropped
+    assert dropped == (0 if tail in ("", "\r") else 1)
+    run.append_trial({"trial": 9, **FINISHED_ROWS[2]})
+    assert [r.trial for r in run.records()] == [*trials, 9]
+    assert load_run(path)["trial"].tolist() == [*trials, 9]
+
+
+def test_the_record_imports_neither_torch_nor_pandas_nor_ray():
+    code = (
+        "import sys, mbtune.runs.record, mbtune.runs.rundir, mbtune.recommend.reporter; "
+        "bad = [m for m in ('torch', 'pandas', 'ray') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

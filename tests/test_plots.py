@@ -104,8 +104,8 @@ def test_plotting_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     path = make_run(tmp_path, FINISHED_ROWS)
     code = (
         "import matplotlib; matplotlib.use('svg'); "
-        "from mbtune.analysis import plots, frames as analysis; "
-        f"plots.write_plots(analysis.load_run({str(path)!r}), analysis.run_info({str(path)!r})); "
+        "from mbtune.analysis import plots; from mbtune.runs.load import load_run, run_info; "
+        f"plots.write_plots(load_run({str(path)!r}), run_info({str(path)!r})); "
         "import sys; sys.exit(0 if matplotlib.get_backend() == 'svg' else 1)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from mbtune import report
-from mbtune.analysis import frames as analysis
+from mbtune.analysis.frames import RunRecommendation
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.reporter import Recommendation
+from mbtune.recommend.reporter import StreamRecommendation
+from mbtune.runs.record import TrialRecord
 
 
 @pytest.mark.parametrize(
@@ -42,14 +44,21 @@ def test_sizes_name_a_configuration_in_the_order_of_the_columns():
 
 
 def test_the_stream_line_keeps_the_cerebras_order():
-    rec = Recommendation(
+    rec = StreamRecommendation(
         time="2026-01-01T19:41:11", trials=3, config=BatchConfig(64, 2, 4, True), objective=1.0,
         samples_per_s=None, estimated_performance=1.234, confidence=90, precision="bf16",
         mfu=0.412,
     )  # fmt: skip
     assert (
-        report.stream_line(rec)
-        == rec.line()
+        rec.line()
+        == report.stream_line(
+            made_at=rec.time,
+            config=rec.config,
+            estimated_performance=1.234,
+            confidence=90,
+            precision="bf16",
+            mfu=0.412,
+        )  # fmt: skip
         == (
             "mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64, "
             "bf16, with activation checkpointing), estimated performance: 1.23x base, MFU 41%, "
@@ -60,20 +69,20 @@ def test_the_stream_line_keeps_the_cerebras_order():
 
 def test_analyze_and_export_say_the_recommendation():
     config = BatchConfig(32, 2, 8)
-    rec = analysis.Recommendation(
+    rec = RunRecommendation(
         config=config, samples_per_s=630.0, pipeline_stages=1, source="summary.json",
         confidence=92, recommended_batch_size=34,
     )  # fmt: skip
-    assert report.recommended_line(rec) == (
+    assert rec.line() == (
         "recommended (summary.json, confidence 92): num_devices 2, batch_size 32, "
         "micro_batch_size 8 (2 micro-batches per device, fp32): 630.0 samples/s; recommended "
         "global batch 34"
     )
-    rec = analysis.Recommendation(
+    rec = RunRecommendation(
         config=BatchConfig(32, 2, 16), samples_per_s=None, pipeline_stages=1,
         source="best ok trial", precision="",
     )  # fmt: skip
-    assert report.recommended_line(rec) == (
+    assert rec.line() == (
         "recommended (best ok trial): num_devices 2, batch_size 32, micro_batch_size 16 "
         "(1 micro-batch per device)"
     )
@@ -85,17 +94,18 @@ def test_analyze_and_export_say_the_recommendation():
     )
 
 
-def test_a_trial_line_reads_a_csv_row_as_well_as_a_result():
-    row = {"trial": 3, "batch_size": "64", "num_devices": "2", "micro_batch_size": "8",
-           "status": "oom", "reason": "over budget", "samples_per_s": "", "mfu": "",
-           "precision": "bf16", "activation_checkpointing": "true"}  # fmt: skip
-    line = report.trial_line(row)
+def test_a_trial_line_says_a_record():
+    record = TrialRecord(
+        trial=3, batch_size=64, num_devices=2, micro_batch_size=8, status="oom",
+        reason="over budget", precision="bf16", activation_checkpointing=True,
+    )  # fmt: skip
+    line = report.trial_line(record)
     assert line.endswith(
         "  trial   3  num_devices 2, batch_size 64, micro_batch_size 8, bf16, with activation "
         "checkpointing: -  oom (over budget)"
     )
-    row.update(status="ok", reason=None, samples_per_s=1234.5, mfu=0.41)
-    assert report.trial_line(row).endswith(": 1,234.5 samples/s, MFU 41%  ok")
+    ok = dataclasses.replace(record, status="ok", reason=None, samples_per_s=1234.5, mfu=0.41)
+    assert report.trial_line(ok).endswith(": 1,234.5 samples/s, MFU 41%  ok")
 
 
 def test_the_summary_of_a_search():
@@ -109,7 +119,8 @@ def test_the_summary_of_a_search():
         "compile_break_even": [{"against": other, "extra_compile_s": 2.0,
                                 "break_even_steps": 1234}],
     }  # fmt: skip
-    rows = [{"status": "ok"}, {"status": "oom"}]
+    sizes = {"batch_size": 32, "num_devices": 2, "micro_batch_size": 8}
+    rows = [TrialRecord(trial=1, status="ok", **sizes), TrialRecord(trial=2, status="oom", **sizes)]
     assert report.summary_lines(rows, summary, Path("runs/x")) == [
         "mbtune: 2 trials finished (1 not ok); results in runs/x",
         "recommended: micro_batch_size 8, num_devices 2, batch_size 32 (grad_accum_steps 2): "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 from mbtune.lattice import BatchConfig, enumerate_configs
 from mbtune.recommend.confidence import observation
 from mbtune.recommend.reporter import Reporter
+from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir
 
 POINTS = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
@@ -21,25 +23,38 @@ LINE = re.compile(
 )
 
 
-def row(n: int, m: int, speed: float | None, status: str = "ok", **extra) -> dict:
-    """A trials.csv row as RunDir.trials() reads it back (text)."""
+def result(n: int, m: int, speed: float | None, status: str = "ok", **extra) -> dict:
+    """What a trial reports (numbers, lists), as the search hands it to the trial log."""
     step_ms = 32 / speed * 1e3 if speed else None
     return {
-        "batch_size": "32", "num_devices": str(n), "micro_batch_size": str(m),
-        "grad_accum_steps": str(-(-32 // n // m)), "status": status,
-        "samples_per_s": str(speed or ""), "objective": str(speed or 0.0),
-        "step_times_ms": " ".join(f"{step_ms * f:.4g}" for f in (0.99, 1.0, 1.01)) if speed else "",
-        **{k: str(v) for k, v in extra.items()},
+        "batch_size": 32, "num_devices": n, "micro_batch_size": m,
+        "grad_accum_steps": -(-32 // n // m), "status": status,
+        "samples_per_s": speed, "objective": speed or 0.0,
+        "step_times_ms": [step_ms * f for f in (0.99, 1.0, 1.01)] if speed else [], **extra,
     }  # fmt: skip
 
 
-def test_a_row_becomes_an_observation():
-    o = observation(row(2, 8, 500.0, micro_batch_sizes_tried="16 8"))
+def row(n: int, m: int, speed: float | None, status: str = "ok", **extra) -> TrialRecord:
+    """A finished trial's record, as the trial log keeps it."""
+    return TrialRecord.from_result({"trial": 1, **result(n, m, speed, status, **extra)})
+
+
+def test_a_record_becomes_an_observation():
+    o = observation(row(2, 8, 500.0, micro_batch_sizes_tried=[16, 8]))
     assert o.config == BatchConfig(32, 2, 8) and o.status == "ok" and o.value == 500.0
     assert len(o.step_times_ms) == 3 and o.oom_micro_batch_sizes == (16,)
-    assert observation(row(2, 16, None, "oom", micro_batch_sizes_tried="16")).status == "oom"
+    assert observation(row(2, 16, None, "oom", micro_batch_sizes_tried=[16])).status == "oom"
     assert observation(row(1, 9, 100.0)).config == BatchConfig(32, 1, 8)  # canonical m
-    assert observation({"status": "ok"}) is None
+    # an ok trial without a positive objective cannot be trusted: an error
+    assert observation(row(1, 8, 100.0, objective=0.0)).status == "error"
+
+
+def test_a_row_read_back_gives_the_same_observation_as_the_result():
+    """trials.csv keeps step times to 4 digits: the rest is the same observation."""
+    record = row(2, 8, 500.0, micro_batch_sizes_tried=[16, 8])
+    back = observation(TrialRecord.from_row(record.to_row()))
+    assert back == observation(dataclasses.replace(record, step_times_ms=back.step_times_ms))
+    assert back.step_times_ms == pytest.approx(record.step_times_ms, rel=1e-3)
 
 
 def test_the_stream_starts_at_base_and_reports_the_speedup():
@@ -114,8 +129,7 @@ def test_the_tune_callback_records_streams_and_stops(tmp_path):
     for i, ((n, m), speed) in enumerate(speeds.items()):
         trial = SimpleNamespace(trial_id=f"t{i}", config={"batch_size": 32, "num_devices": n,
                                                           "micro_batch_size": m})  # fmt: skip
-        result = row(n, m, speed, "ok" if speed else "oom")
-        log.on_trial_result(0, [], trial, result)
+        log.on_trial_result(0, [], trial, result(n, m, speed, "ok" if speed else "oom"))
         log.on_trial_complete(0, [], trial)
         if stop.stop_all():
             break

@@ -1,9 +1,15 @@
 """A run's trials ranked, pivoted and compared, and the report ``mbtune analyze`` prints.
 
 Pure: pandas and numpy, never torch nor ray, and no plotting (that is mbtune.analysis.plots).
-Reading a run directory is mbtune.runs.load (``load_run``, ``load_runs`` and ``run_info`` are
-here too, where they have always been); every sentence about a recommendation is
-mbtune.report.
+Reading a run directory is mbtune.runs.load (``load_run``, ``load_runs``, ``run_info``);
+every sentence about a recommendation is mbtune.report.
+
+A configuration is named by all its searched dimensions (mbtune.runs.record's
+``CONFIG_KEY``): deduplication and the matching of two runs use all of them, and a table,
+pivot or plot keeps apart the values of each dimension beyond the three sizes that a run
+varied (:func:`varied_dimensions`: activation checkpointing where a run searched it on and
+off). The one dimension a pivot or a plot line summarises is the batch size, where a run
+tried several: its best (a pivot says so) or median.
 """
 
 from __future__ import annotations
@@ -18,32 +24,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mbtune.config.schema import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
-from mbtune.report import recommended_line, sizes
-from mbtune.runs.load import (
-    COLUMNS,
-    SIZES,
-    SUMMARY_FILE,
-    RunInfo,
-    load_recommendations,
-    load_run,
-    load_runs,
-    run_info,
-)
+from mbtune.report import recommended_line, sizes, step_suffix
+
+# load_run and load_runs: mbtune/__init__.py's lazy ``mbtune.load_run`` still names this
+# module; once it names mbtune.runs.load (where the two are defined), they go from here
+from mbtune.runs.load import SUMMARY_FILE, RunInfo, load_run, load_runs  # noqa: F401
+from mbtune.runs.record import CONFIG_KEY, SIZES
 
 __all__ = [
-    "COLUMNS",
     "FORMATS",
-    "Recommendation",
-    "RunInfo",
+    "RunRecommendation",
     "best_per_config",
     "compare_report",
     "compare_runs",
     "has_ok_trial",
-    "load_recommendations",
-    "load_run",
-    "load_runs",
     "ranked",
     "ranked_ok",
     "recommendation",
@@ -51,10 +48,10 @@ __all__ = [
     "render_table",
     "repeat_spread",
     "run_report",
-    "run_info",
     "status_counts",
     "status_pivot",
     "throughput_pivot",
+    "varied_dimensions",
 ]
 
 FORMATS = ("table", "csv", "json", "markdown")
@@ -62,6 +59,16 @@ FORMATS = ("table", "csv", "json", "markdown")
 
 # ---------------------------------------------------------------------------
 # ranking and pivots
+
+
+def varied_dimensions(*runs: pd.DataFrame) -> list[str]:
+    """The searched dimensions beyond the three sizes (``CONFIG_KEY`` less ``SIZES``)
+    that hold more than one value in ``runs`` together: activation checkpointing, where a
+    run measured it on and off. A table shows them after the sizes, and a pivot or a plot
+    keeps their values apart; one that holds a single value tells no two rows apart."""
+    others = [k for k in CONFIG_KEY if k not in SIZES]
+    values = pd.concat([run[others] for run in runs], ignore_index=True)
+    return [k for k in others if values[k].nunique(dropna=False) > 1]
 
 
 def status_counts(trials: pd.DataFrame) -> dict[str, int]:
@@ -91,21 +98,22 @@ def ranked_ok(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_per_config(trials: pd.DataFrame) -> pd.DataFrame:
-    """One row per (batch_size, num_devices, micro_batch_size): its fastest ok trial, or,
-    where none was ok, its first trial (with its status)."""
+    """One row per configuration (``CONFIG_KEY``: batch_size, num_devices,
+    micro_batch_size, activation_checkpointing): its fastest ok trial, or, where none was
+    ok, its first trial (with its status)."""
     if trials.empty:
         return trials.copy()
     order = trials.assign(_ok=trials["status"].ne("ok"), _speed=-trials["samples_per_s"])
     order = order.sort_values(["_ok", "_speed", "trial"], na_position="last", kind="stable")
-    out = order.drop_duplicates(list(SIZES)).drop(columns=["_ok", "_speed"])
-    return out.sort_values(list(SIZES)[::-1]).reset_index(drop=True)
+    out = order.drop_duplicates(list(CONFIG_KEY)).drop(columns=["_ok", "_speed"])
+    return out.sort_values(list(CONFIG_KEY)[::-1]).reset_index(drop=True)
 
 
 def repeat_spread(trials: pd.DataFrame) -> pd.DataFrame:
     """The configurations measured more than once (a search's further looks at a close
     call): how many ok measurements, their median, lowest and highest samples/s, and their
     relative spread (sd over mean): what the drift between trials looked like."""
-    keys = [*SIZES, "activation_checkpointing"]
+    keys = list(CONFIG_KEY)
     ok = trials[trials["status"].eq("ok") & trials["samples_per_s"].notna()]
     stats = ok.groupby(keys)["samples_per_s"].agg(["count", "median", "min", "max", "mean", "std"])
     stats = stats[stats["count"] > 1]
@@ -119,31 +127,33 @@ def repeat_spread(trials: pd.DataFrame) -> pd.DataFrame:
 
 def throughput_pivot(trials: pd.DataFrame, value: str = "samples_per_s") -> pd.DataFrame:
     """``value`` over micro_batch_size (rows) x num_devices (columns): the best ok trial
-    of each cell (over batch sizes, where the run tried several); NaN where none was ok."""
+    of each cell (over batch sizes, where the run tried several); NaN where none was ok.
+    The other dimensions the run varied (:func:`varied_dimensions`) are kept apart: each a
+    column level after num_devices, so that a cell is one setting of them."""
+    columns = ["num_devices", *varied_dimensions(trials)]
     ok = trials[trials["status"].eq("ok")]
-    table = ok.pivot_table(
-        index="micro_batch_size", columns="num_devices", values=value, aggfunc="max"
-    )
-    index = sorted(trials["micro_batch_size"].unique())
-    columns = sorted(trials["num_devices"].unique())
-    return table.reindex(index=index, columns=columns).rename_axis(
-        index="micro_batch_size", columns="num_devices"
-    )
+    if len(columns) == 1:
+        cells: pd.Index = pd.Index(sorted(trials["num_devices"].unique()), name="num_devices")
+    else:  # every setting tried, whatever its status
+        cells = pd.MultiIndex.from_frame(trials[columns].drop_duplicates().sort_values(columns))
+    rows = pd.Index(sorted(trials["micro_batch_size"].unique()), name="micro_batch_size")
+    if ok.empty:
+        return pd.DataFrame(np.nan, index=rows, columns=cells)
+    table = ok.pivot_table(index="micro_batch_size", columns=columns, values=value, aggfunc="max")
+    return table.reindex(index=rows, columns=cells)
 
 
 def status_pivot(trials: pd.DataFrame) -> pd.DataFrame:
     """The pivot of :func:`throughput_pivot` as text: samples/s, or the status of a cell
     where nothing was ok (oom, error, timeout), or '' where nothing was tried."""
     speeds = throughput_pivot(trials)
-    failed = (
-        trials[trials["status"].ne("ok")]
-        .groupby(["micro_batch_size", "num_devices"])["status"]
-        .first()
-    )
+    columns = ["num_devices", *varied_dimensions(trials)]
+    failed = trials[trials["status"].ne("ok")].groupby(["micro_batch_size", *columns])["status"]
     text = speeds.map(lambda v: "" if pd.isna(v) else f"{v:,.1f}").astype(object)
-    for (m, n), status in failed.items():
-        if text.loc[m, n] == "":
-            text.loc[m, n] = str(status)
+    for (m, *cell), status in failed.first().items():
+        column = cell[0] if len(cell) == 1 else tuple(cell)
+        if text.loc[m, column] == "":
+            text.loc[m, column] = str(status)
     return text
 
 
@@ -152,11 +162,14 @@ def status_pivot(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 @dataclass(frozen=True)
-class Recommendation:
-    """The configuration a run recommends, and where that came from."""
+class RunRecommendation:
+    """The configuration a finished (or stopped) run recommends, as ``mbtune analyze``
+    reads it back, and where that came from: summary.json, or the best ok trial of a run
+    that wrote none. Not :class:`mbtune.recommend.reporter.StreamRecommendation`, the
+    recommendation the search streams after each trial (a recommendations.jsonl record)."""
 
     config: BatchConfig
-    """The measured configuration (B, n, m)."""
+    """The measured configuration (B, n, m, activation checkpointing)."""
     samples_per_s: float | None
     pipeline_stages: int
     source: str
@@ -171,8 +184,18 @@ class Recommendation:
     def grad_accum_steps(self) -> int:
         return self.config.grad_accum_steps
 
+    def line(self) -> str:
+        return recommended_line(
+            self.config,
+            source=self.source,
+            samples_per_s=self.samples_per_s,
+            confidence=self.confidence,
+            recommended_batch_size=self.recommended_batch_size,
+            precision=self.precision,
+        )
 
-def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
+
+def recommendation(trials: pd.DataFrame, info: RunInfo) -> RunRecommendation:
     """summary.json's ``recommended`` where the run wrote one, else the best ok trial."""
     stages = int(trials["pipeline_stages"].iloc[0]) if len(trials) else 1
     summary = info.summary or {}
@@ -188,7 +211,7 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
         speed = rec.get("samples_per_s")
         global_batch = summary.get("recommended_batch_size")
         confidence = summary.get("confidence")
-        return Recommendation(
+        return RunRecommendation(
             config=config,
             samples_per_s=float(speed) if isinstance(speed, int | float) else None,
             pipeline_stages=stages,
@@ -204,7 +227,7 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> Recommendation:
         raise MbtuneError(no_ok_trial_message(trials, info.path))
     best = top.iloc[0]
     precision = best.get("precision")
-    return Recommendation(
+    return RunRecommendation(
         config=BatchConfig.from_mapping(best),
         samples_per_s=float(best["samples_per_s"]),
         pipeline_stages=int(best["pipeline_stages"]),
@@ -231,21 +254,24 @@ def no_ok_trial_message(trials: pd.DataFrame, path: Path) -> str:
 
 
 def compare_runs(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    """Runs ``a`` and ``b`` matched on (batch_size, num_devices, micro_batch_size).
+    """Runs ``a`` and ``b`` matched on their configurations (``CONFIG_KEY``: a row of
+    ``a`` and one of ``b`` are paired only where every searched dimension is equal).
 
-    One row per configuration measured in either: each run's samples/s and status (its
-    fastest ok trial of that configuration) and ``ratio`` = b / a where both ran ok.
+    One row per configuration measured in either: its sizes (and each other dimension
+    the two runs varied), each run's samples/s and status (its fastest ok trial of that
+    configuration) and ``ratio`` = b / a where both ran ok.
     """
-    keep = [*SIZES, "grad_accum_steps", "samples_per_s", "status"]
+    shown = [*SIZES, *varied_dimensions(a, b)]
+    keep = [*CONFIG_KEY, "grad_accum_steps", "samples_per_s", "status"]
     left, right = best_per_config(a)[keep], best_per_config(b)[keep]
-    both = left.merge(right, on=list(SIZES), how="outer", suffixes=("_a", "_b"))
+    both = left.merge(right, on=list(CONFIG_KEY), how="outer", suffixes=("_a", "_b"))
     both["grad_accum_steps"] = both.pop("grad_accum_steps_a").fillna(both.pop("grad_accum_steps_b"))
     both["grad_accum_steps"] = both["grad_accum_steps"].astype("int64")
     both_ok = both["status_a"].eq("ok") & both["status_b"].eq("ok")
     # an oom on the CPU still has a measured speed (it was over the budget): no ratio
     both["ratio"] = (both["samples_per_s_b"] / both["samples_per_s_a"]).where(both_ok)
-    both = both.sort_values(["num_devices", "batch_size", "micro_batch_size"])
-    columns = [*SIZES, "grad_accum_steps", "samples_per_s_a", "status_a", "samples_per_s_b",
+    both = both.sort_values(["num_devices", "batch_size", "micro_batch_size", *shown[3:]])
+    columns = [*shown, "grad_accum_steps", "samples_per_s_a", "status_a", "samples_per_s_b",
                "status_b", "ratio"]  # fmt: skip
     return both[columns].reset_index(drop=True)
 
@@ -279,23 +305,29 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
             "driver died while writing)"
         )
     if has_ok_trial(trials) or (info.summary or {}).get("recommended"):
-        lines.append(recommended_line(recommendation(trials, info)))
+        lines.append(recommendation(trials, info).line())
+    apart = varied_dimensions(trials)
     sections = []
     ok = table[table["rank"].notna()]
     if len(ok):
-        sections.append((f"trials, best first by {info.objective}", _ranked_view(ok, info)))
+        view = _ranked_view(ok, info, apart)
+        sections.append((f"trials, best first by {info.objective}", view))
     spread = repeat_spread(trials)
     if len(spread):
-        view = spread.drop(columns=["activation_checkpointing"])
+        view = spread.drop(columns=[k for k in CONFIG_KEY if k not in (*SIZES, *apart)])
         sections.append(("configurations measured more than once (the drift between trials)",
                          view))  # fmt: skip
     failed = table[table["rank"].isna()]
     if len(failed):
-        view = failed[["trial", *SIZES, "status", "reason"]]
+        view = failed[["trial", *SIZES, *apart, "status", "reason"]]
         sections.append(("failed trials", view))
     if len(ok):
         pivot = status_pivot(trials)
-        pivot.columns = [f"num_devices {n}" for n in pivot.columns]
+        names = pivot.columns.names
+        pivot.columns = [
+            ", ".join(f"{name} {v}" for name, v in zip(names, c if apart else (c,), strict=True))
+            for c in pivot.columns
+        ]
         several = " (best over batch sizes)" if trials["batch_size"].nunique() > 1 else ""
         sections.append((f"samples/s by micro_batch_size x num_devices{several}",
                          pivot.reset_index()))  # fmt: skip
@@ -312,9 +344,10 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ranked_view(ok: pd.DataFrame, info: RunInfo) -> pd.DataFrame:
-    """The columns of the ranked table a person reads; optional ones only where measured."""
-    view = ok[["rank", "trial", *SIZES, "grad_accum_steps", "samples_per_s"]].copy()
+def _ranked_view(ok: pd.DataFrame, info: RunInfo, apart: list[str]) -> pd.DataFrame:
+    """The columns of the ranked table a person reads; optional ones only where measured,
+    the other dimensions only where the run varied them (``apart``)."""
+    view = ok[["rank", "trial", *SIZES, *apart, "grad_accum_steps", "samples_per_s"]].copy()
     if ok["repeat"].gt(0).any():
         view.insert(2, "repeat", ok["repeat"])
     if info.objective == "samples_per_s_per_device":
@@ -344,7 +377,9 @@ def compare_report(
             r = top.iloc[0]
             bests.append(float(r["samples_per_s"]))
             speed = r["samples_per_s"]
-            best = f"best: {sizes(BatchConfig.from_mapping(r))}: {speed:,.1f} samples/s"
+            c = BatchConfig.from_mapping(r)
+            step = step_suffix(None, c.activation_checkpointing)
+            best = f"best: {sizes(c)}{step}: {speed:,.1f} samples/s"
         else:
             best = "no trial ran ok"
         lines.append(
@@ -353,9 +388,9 @@ def compare_report(
     if len(bests) == 2:
         lines.append(f"best of b / best of a: {bests[1] / bests[0]:.2f}x")
     lines.append("")
+    matched = ", ".join([*SIZES, *varied_dimensions(a, b)])
     lines.append(
-        "matched on (batch_size, num_devices, micro_batch_size); ratio = samples/s of b / a"
-        + (":" if fmt == "table" else "\n")
+        f"matched on ({matched}); ratio = samples/s of b / a" + (":" if fmt == "table" else "\n")
     )
     floats = {"samples_per_s_a": ",.1f", "samples_per_s_b": ",.1f", "ratio": ".2f"}
     lines.append(render_table(table, fmt, floats=floats).rstrip("\n"))
@@ -404,11 +439,10 @@ def _right_aligned(column: pd.Series, cells: pd.Series) -> bool:
         return True
     filled = [c for c in cells if c]
     numbers = [c for c in filled if _NUMBER.fullmatch(c)]
-    return bool(numbers) and all(c in _STATUSES or _NUMBER.fullmatch(c) for c in filled)
+    return bool(numbers) and all(c in STATUSES or _NUMBER.fullmatch(c) for c in filled)
 
 
 _NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?")
-_STATUSES = ("ok", "oom", "error", "timeout")
 
 
 def _lists_as_text(frame: pd.DataFrame) -> pd.DataFrame:

@@ -1,7 +1,10 @@
 """PNG plots of a run, from the frames of mbtune.runs.load and mbtune.analysis.frames.
 
 matplotlib's object API with its Agg renderer: no display, no pyplot state, nothing
-changed in the caller's own matplotlib (a notebook keeps its backend).
+changed in the caller's own matplotlib (a notebook keeps its backend). A line is one
+num_devices and one setting of each other dimension the run varied
+(mbtune.analysis.frames.varied_dimensions: activation checkpointing on and off are two
+lines), over the micro-batch size.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from mbtune.analysis.frames import best_per_config, ranked_ok
+from mbtune.analysis.frames import best_per_config, ranked_ok, varied_dimensions
 from mbtune.errors import MbtuneError
 from mbtune.runs.load import RunInfo
+from mbtune.runs.record import CONFIG_KEY, SIZES
 
 __all__ = [
     "PLOT_FILES",
@@ -64,17 +68,18 @@ def write_plots(trials: pd.DataFrame, info: RunInfo) -> tuple[list[Path], list[s
 
 
 def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
-    """samples/s against micro-batch size, one line per num_devices through each
-    configuration's median; where a configuration was measured more than once, a bar from
-    its lowest to its highest measurement; the failed trials marked on the axis, and the
-    best trial starred."""
+    """samples/s against micro-batch size, one line per num_devices (and setting of each
+    other dimension the run varied) through each configuration's median; where a
+    configuration was measured more than once, a bar from its lowest to its highest
+    measurement; the failed trials marked on the axis, and the best trial starred."""
     fig, ax = _figure()
     cells = best_per_config(trials)
+    lines = _line_columns(trials)
     measured = trials[trials["status"].eq("ok")]
-    for color, (n, group) in zip(_colors(), cells.groupby("num_devices"), strict=False):
-        speeds = measured[measured["num_devices"] == n].groupby("micro_batch_size")["samples_per_s"]
+    for color, (key, group) in zip(_colors(), cells.groupby(lines), strict=False):
+        speeds = _on_line(measured, lines, key).groupby("micro_batch_size")["samples_per_s"]
         line = speeds.median()
-        ax.plot(line.index, line.to_numpy(), "o-", color=color, label=f"num_devices {n}")
+        ax.plot(line.index, line.to_numpy(), "o-", color=color, label=_label(lines, key))
         spread = speeds.agg(["min", "max", "count"])
         spread = spread[spread["count"] > 1]
         ax.vlines(spread.index, spread["min"], spread["max"], color=color, linewidth=3, alpha=0.5)
@@ -97,12 +102,14 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
 
 
 def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, title: str) -> Figure:
-    """Peak memory of one device against micro-batch size, one line per num_devices, with
-    the experiment's memory budget (trial.device_memory) drawn where it has one."""
+    """Peak memory of one device against micro-batch size, one line per num_devices (and
+    setting of each other dimension the run varied), with the experiment's memory budget
+    (trial.device_memory) drawn where it has one."""
     fig, ax = _figure()
-    for color, (n, group) in zip(_colors(), trials.groupby("num_devices"), strict=False):
+    lines = _line_columns(trials)
+    for color, (key, group) in zip(_colors(), trials.groupby(lines), strict=False):
         ok = group[group["status"] == "ok"].groupby("micro_batch_size")["peak_memory_bytes"].max()
-        ax.plot(ok.index, ok.to_numpy() / _MiB, "o-", color=color, label=f"num_devices {n}")
+        ax.plot(ok.index, ok.to_numpy() / _MiB, "o-", color=color, label=_label(lines, key))
         failed = group[(group["status"] != "ok") & group["peak_memory_bytes"].notna()]
         _mark_failed(ax, failed, color, y=failed["peak_memory_bytes"] / _MiB)
     _failure_legend(ax, trials.loc[trials["peak_memory_bytes"].notna(), "status"])
@@ -124,16 +131,20 @@ def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, titl
 
 def step_time_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     """Each ok trial's median step split into compute, communication and pipeline bubble
-    (stacked bars), ordered by (num_devices, batch_size, micro_batch_size)."""
+    (stacked bars), ordered by (num_devices, batch_size, micro_batch_size, and each other
+    dimension the run varied, which a bar's label then names)."""
     ok = ranked_ok(trials)
+    apart = varied_dimensions(trials)
     shown = ok.head(STEP_TIME_BARS).sort_values(
-        ["num_devices", "batch_size", "micro_batch_size", "trial"]
+        ["num_devices", "batch_size", "micro_batch_size", *apart, "trial"]
     )
     fig, ax = _figure(width=max(6.4, 0.45 * len(shown)))
     several_batches = trials["batch_size"].nunique() > 1
     labels = [
-        f"n{r.num_devices} m{r.micro_batch_size}" + (f"\nB{r.batch_size}" * several_batches)
-        for r in shown.itertuples()
+        f"n{r['num_devices']} m{r['micro_batch_size']}"
+        + (f"\nB{r['batch_size']}" * several_batches)
+        + "".join(f"\n{name} {r[name]}" for name in apart)
+        for _, r in shown.iterrows()
     ]
     x = range(len(shown))
     bottom = pd.Series(0.0, index=shown.index)
@@ -164,11 +175,14 @@ def confidence_figure(recommendations: pd.DataFrame, *, target: int | None, titl
     if target is not None:
         ax.axhline(target, color="gray", linestyle="--", label=f"target {target}")
     previous = None
+    # a record names a dimension beyond the sizes only where it is on (BatchConfig.sizes)
+    key = [k for k in CONFIG_KEY if k in recs]
     for x, (_, r) in zip(trials, recs.iterrows(), strict=True):
-        config = (r["num_devices"], r["micro_batch_size"], r["batch_size"])
-        if config != previous and not any(pd.isna(v) for v in config):
+        config = tuple(False if pd.isna(r[k]) and k not in SIZES else r[k] for k in key)
+        sizes = (r["num_devices"], r["micro_batch_size"], r["batch_size"])
+        if config != previous and not any(pd.isna(v) for v in sizes):
             ax.annotate(
-                f"n{config[0]:.0f} m{config[1]:.0f}",
+                f"n{sizes[0]:.0f} m{sizes[1]:.0f}",
                 (x, r["confidence"]), textcoords="offset points", xytext=(0, 8),
                 ha="center", fontsize=8,
             )  # fmt: skip
@@ -182,18 +196,20 @@ def confidence_figure(recommendations: pd.DataFrame, *, target: int | None, titl
 
 
 def compare_figure(runs: Sequence[pd.DataFrame], labels: Sequence[str], *, title: str) -> Figure:
-    """samples/s against micro-batch size of several runs: one color per num_devices,
-    one line style per run."""
+    """samples/s against micro-batch size of several runs: one color per num_devices (and
+    setting of each other dimension the runs varied), one line style per run."""
     fig, ax = _figure()
     styles = ("o-", "s--", "^:", "d-.")
-    devices = sorted(pd.concat(runs)["num_devices"].unique())
-    colors = {n: c for c, n in zip(_colors(), devices, strict=False)}
+    lines = _line_columns(*runs)
+    keys = sorted(pd.concat(runs)[lines].drop_duplicates().itertuples(index=False, name=None))
+    colors = dict(zip(keys, _colors(), strict=False))
     for style, label, trials in zip(styles, labels, runs, strict=False):
         cells = best_per_config(trials)
-        for n, group in cells.groupby("num_devices"):
+        for key, group in cells.groupby(lines):
             ok = group[group["status"] == "ok"].groupby("micro_batch_size")["samples_per_s"].max()
-            ax.plot(ok.index, ok.to_numpy(), style, color=colors[n], label=f"{label}, n {n}")
-            _mark_failed(ax, group, colors[n], y=0.0)
+            short = _label(lines, key).replace("num_devices", "n")
+            ax.plot(ok.index, ok.to_numpy(), style, color=colors[key], label=f"{label}, {short}")
+            _mark_failed(ax, group, colors[key], y=0.0)
     _failure_legend(ax, pd.concat([best_per_config(t) for t in runs])["status"])
     _micro_batch_axis(ax, pd.concat(runs))
     ax.set_ylim(bottom=0)
@@ -216,6 +232,22 @@ def _figure(width: float = 6.4) -> tuple[Figure, object]:
 
 def _colors() -> list[str]:
     return [f"C{i}" for i in range(10)]
+
+
+def _line_columns(*runs: pd.DataFrame) -> list[str]:
+    """What one line of a plot over micro_batch_size holds fixed: num_devices, and each
+    other dimension the runs varied."""
+    return ["num_devices", *varied_dimensions(*runs)]
+
+
+def _on_line(trials: pd.DataFrame, lines: list[str], key: tuple) -> pd.DataFrame:
+    """The trials of one line (``key``: its values of ``lines``)."""
+    return trials[(trials[lines] == pd.Series(dict(zip(lines, key, strict=True)))).all(axis=1)]
+
+
+def _label(lines: list[str], key: tuple) -> str:
+    """A line's legend, e.g. 'num_devices 2' or 'num_devices 2, activation_checkpointing True'."""
+    return ", ".join(f"{name} {value}" for name, value in zip(lines, key, strict=True))
 
 
 def _mark_failed(ax, group: pd.DataFrame, color: str, *, y) -> None:

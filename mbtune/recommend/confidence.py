@@ -38,21 +38,20 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from scipy.linalg import solve_triangular
 from threadpoolctl import threadpool_limits
 
 from mbtune.lattice import BatchConfig
+from mbtune.runs.record import TrialRecord
 
 __all__ = [
     "Assessment",
     "Observation",
     "SearchModel",
-    "as_number",
     "assess",
     "between_trial_drift",
     "observation",
@@ -98,43 +97,23 @@ class Observation:
     """Micro-batch sizes that ran out of memory on the way (``trial.on_oom: halve``)."""
 
 
-def observation(row: Mapping[str, Any]) -> Observation | None:
-    """A trial as trials.csv (text) or a result (numbers, lists) holds it; None if unusable.
-
-    Keys: batch_size, num_devices, micro_batch_size, status, objective, step_times_ms,
-    micro_batch_sizes_tried (the sizes tried in order: all but the last ran out of memory).
-    """
-    try:
-        config = BatchConfig.from_mapping(row).canonical()
-    except (KeyError, TypeError, ValueError):
-        return None
-    value = as_number(row.get("objective"))
-    status = row.get("status") or "error"
+def observation(record: TrialRecord) -> Observation:
+    """A finished trial as the confidence math sees it: its canonical configuration, its
+    objective where it ran ok (an ok trial without a positive objective counts as an
+    error), its step times, and the micro-batch sizes that ran out of memory on the way
+    (``micro_batch_sizes_tried`` in order: all but the last, or all of them for an oom)."""
+    value = record.objective
+    status = record.status or "error"
     if status == "ok" and not (value and value > 0):
         status = "error"
-    tried = [int(m) for m in _floats(row.get("micro_batch_sizes_tried"))]
+    tried = record.micro_batch_sizes_tried
     return Observation(
-        config=config,
+        config=record.config.canonical(),
         status=status,
-        value=value if status == "ok" else None,
-        step_times_ms=tuple(_floats(row.get("step_times_ms"))),
-        oom_micro_batch_sizes=tuple(tried if status == "oom" else tried[:-1]),
+        value=float(value) if status == "ok" else None,
+        step_times_ms=record.step_times_ms,
+        oom_micro_batch_sizes=tried if status == "oom" else tried[:-1],
     )
-
-
-def as_number(value: Any) -> float | None:
-    """``value`` as a finite float, or None (empty text, NaN, anything else)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _floats(value: Any) -> list[float]:
-    """Numbers from a list, or from a space-separated string as trials.csv writes them."""
-    items = value if isinstance(value, list | tuple) else str(value or "").split()
-    return [v for v in map(as_number, items) if v is not None]
 
 
 @dataclass(frozen=True)

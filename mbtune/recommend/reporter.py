@@ -1,8 +1,9 @@
 """The reporter: after every finished trial, what to use, how much faster, how sure.
 
-Pure (neither torch nor ray): the search's Tune callback passes trials.csv rows through
-:meth:`Reporter.update`, prints the line it returns and appends its record to
-``recommendations.jsonl``; at the end :meth:`Reporter.summary` gives ``summary.json``.
+Pure (neither torch nor ray): the search's Tune callback passes the run's trial records
+(mbtune.runs.record) to :meth:`Reporter.update`, prints the line of the recommendation it
+returns and appends its record to ``recommendations.jsonl``; at the end
+:meth:`Reporter.summary` gives ``summary.json``.
 
     mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64),
     estimated performance: 1.23x base, confidence score: 90 (out of 100)
@@ -13,6 +14,7 @@ estimate is the recommended configuration's measured objective over base.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -22,17 +24,19 @@ from typing import Any
 
 from mbtune import lattice
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Assessment, SearchModel, as_number, observation
+from mbtune.recommend.confidence import Assessment, SearchModel, observation
 from mbtune.report import stream_line
+from mbtune.runs.record import TrialRecord
 
-__all__ = ["Recommendation", "Reporter", "per_config"]
-
-Row = Mapping[str, Any]
+__all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config"]
 
 
 @dataclass(frozen=True)
-class Recommendation:
-    """One line of the stream (and one record of recommendations.jsonl)."""
+class StreamRecommendation:
+    """The recommendation after a trial, as the search streams it: one line of the stream
+    and one record of recommendations.jsonl (how much faster than the stream's first,
+    how sure). Not :class:`mbtune.analysis.frames.RunRecommendation`, which is what a
+    finished run recommends as ``mbtune analyze`` reads it back."""
 
     time: str
     trials: int
@@ -58,22 +62,15 @@ class Recommendation:
             "mfu": self.mfu,
         }
 
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Recommendation:
-        return cls(
-            time=record["time"],
-            trials=int(record["trials"]),
-            config=BatchConfig.from_mapping(record),
-            objective=float(record["objective"]),
-            samples_per_s=record.get("samples_per_s"),
-            estimated_performance=float(record["estimated_performance"]),
-            confidence=int(record["confidence"]),
-            precision=record.get("precision"),
-            mfu=as_number(record.get("mfu")),
-        )
-
     def line(self) -> str:
-        return stream_line(self)
+        return stream_line(
+            made_at=self.time,
+            config=self.config,
+            estimated_performance=self.estimated_performance,
+            confidence=self.confidence,
+            precision=self.precision,
+            mfu=self.mfu,
+        )
 
 
 class Reporter:
@@ -99,49 +96,52 @@ class Reporter:
         self.user_config = user_config
         self.user_batch_size = user_batch_size
 
-    def assess(self, rows: Sequence[Row]) -> Assessment:
-        return self.model.assess([o for o in map(observation, rows) if o is not None])
+    def assess(self, records: Sequence[TrialRecord]) -> Assessment:
+        return self.model.assess([observation(r) for r in records])
 
     def update(
-        self, rows: Sequence[Row], history: Sequence[Mapping[str, Any]] = ()
-    ) -> Recommendation | None:
-        """The recommendation after ``rows`` (every finished trial so far), or None yet.
+        self, records: Sequence[TrialRecord], history: Sequence[Mapping[str, Any]] = ()
+    ) -> StreamRecommendation | None:
+        """The recommendation after ``records`` (every finished trial so far), or None yet.
 
         ``history`` is the stream so far (records); its first one is base."""
-        a = self.assess(rows)
+        a = self.assess(records)
         if a.recommended is None or a.value is None:
             return None
         base = _base(history) or a.value
-        best = per_config(rows)[a.recommended]
-        rec = Recommendation(
+        best = per_config(records)[a.recommended].record
+        rec = StreamRecommendation(
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-            trials=len(rows),
+            trials=len(records),
             config=a.recommended,
             objective=a.value,
-            samples_per_s=as_number(best.get("samples_per_s")),
+            samples_per_s=_float(best.samples_per_s),
             estimated_performance=round(a.value / base, 2),
             confidence=a.confidence,
-            precision=best.get("precision") or None,
-            mfu=as_number(best.get("mfu")),
+            precision=best.precision,
+            mfu=_float(best.mfu),
         )
         return rec
 
     def summary(
-        self, rows: Sequence[Row], status: str, history: Sequence[Mapping[str, Any]] = ()
+        self,
+        records: Sequence[TrialRecord],
+        status: str,
+        history: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         """The end of the run: recommendation, speed-ups, top five, batch size, break-even."""
-        a = self.assess(rows)
+        a = self.assess(records)
         base = _base(history)
-        out: dict[str, Any] = {"status": status, "trials": len(rows), "recommended": None}
-        pooled = per_config(rows)
-        ok = sorted(pooled.values(), key=lambda r: -float(r["objective"]))
-        out["top"] = [_brief(r) for r in ok[:5]]
+        out: dict[str, Any] = {"status": status, "trials": len(records), "recommended": None}
+        pooled = per_config(records)
+        ok = sorted(pooled.values(), key=lambda p: -p.record.objective)
+        out["top"] = [_brief(p) for p in ok[:5]]
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
         value = a.value  # every look pooled, as the stream's recommendation has it
-        user = pooled.get(self.user_config.canonical(), {}) if self.user_config else {}
-        user_value = as_number(user.get("objective"))
+        user = pooled.get(self.user_config.canonical()) if self.user_config else None
+        user_value = _float(user.record.objective) if user else None
         out.update(
             recommended=_brief(best),
             confidence=a.confidence,
@@ -171,18 +171,17 @@ def _base(history: Sequence[Mapping[str, Any]]) -> float | None:
     return float(history[0]["objective"]) if history else None
 
 
-def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
+def _break_even(best: Pooled, top: Sequence[Pooled]) -> list[dict[str, Any]]:
     """For each top configuration that compiles faster than the recommendation: the
     training steps after which the recommendation's higher throughput has paid back its
     longer compile (None: it never does, as the other is not slower)."""
-    out = []
-    compile_best = as_number(best.get("compile_s"))
-    speed_best = as_number(best.get("samples_per_s"))
+    out: list[dict[str, Any]] = []
+    compile_best, speed_best = _float(best.record.compile_s), _float(best.record.samples_per_s)
     if compile_best is None or not speed_best:
         return out
     for other in top:
-        compile_other = as_number(other.get("compile_s"))
-        speed_other = as_number(other.get("samples_per_s"))
+        r = other.record
+        compile_other, speed_other = _float(r.compile_s), _float(r.samples_per_s)
         if other is best or compile_other is None or not speed_other:
             continue
         extra_s = compile_best - compile_other
@@ -190,7 +189,7 @@ def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
             continue
         saved_per_sample_s = 1 / speed_other - 1 / speed_best
         steps = (
-            math.ceil(extra_s / saved_per_sample_s / int(best["batch_size"]))
+            math.ceil(extra_s / saved_per_sample_s / best.record.batch_size)
             if saved_per_sample_s > 0
             else None
         )
@@ -199,32 +198,54 @@ def _break_even(best: Row, top: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
-def _brief(row: Row) -> dict[str, Any]:
-    peak = as_number(row.get("peak_memory_bytes"))
+def _brief(p: Pooled) -> dict[str, Any]:
+    r = p.record
     return {
-        **BatchConfig.from_mapping(row).sizes(),
-        "grad_accum_steps": int(row["grad_accum_steps"]) if row.get("grad_accum_steps") else None,
-        **{k: as_number(row.get(k)) for k in ("samples_per_s", "objective", "compile_s", "mfu")},
-        "peak_memory_bytes": int(peak) if peak is not None else None,
-        "precision": row.get("precision") or None,
-        "measurements": int(row.get("measurements") or 1),
+        **r.config.sizes(),
+        "grad_accum_steps": r.grad_accum_steps or None,
+        "samples_per_s": _float(r.samples_per_s),
+        "objective": _float(r.objective),
+        "compile_s": _float(r.compile_s),
+        "mfu": _float(r.mfu),
+        "peak_memory_bytes": int(r.peak_memory_bytes) if r.peak_memory_bytes is not None else None,
+        "precision": r.precision,
+        "measurements": p.measurements,
     }
 
 
-def per_config(rows: Sequence[Row]) -> dict[BatchConfig, Row]:
-    """Each configuration's ok trials as one row: the last one's fields, its throughput
-    (samples/s, objective, TFLOP/s, MFU) the geometric mean over its ``measurements``."""
-    groups: dict[BatchConfig, list[Row]] = {}
-    for row in rows:
-        o = observation(row)
-        if o is not None and o.status == "ok":
-            groups.setdefault(o.config, []).append(row)
-    out: dict[BatchConfig, Row] = {}
+def _float(value: float | None) -> float | None:
+    """A figure as summary.json and the stream write it: a float (also where a record read
+    back from trials.csv holds a whole number), or None where it was not measured."""
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A configuration's ok trials as one (:func:`per_config`)."""
+
+    record: TrialRecord
+    """The last one's record, its throughput (samples/s, objective, TFLOP/s, MFU) the
+    geometric mean over all of them."""
+    measurements: int
+    """How many ok trials measured it."""
+
+
+_POOLED = ("samples_per_s", "objective", "tflops_per_s", "mfu")
+
+
+def per_config(records: Sequence[TrialRecord]) -> dict[BatchConfig, Pooled]:
+    """Each configuration's ok trials pooled as one, by canonical configuration."""
+    groups: dict[BatchConfig, list[TrialRecord]] = {}
+    for r in records:
+        o = observation(r)
+        if o.status == "ok":
+            groups.setdefault(o.config, []).append(r)
+    out: dict[BatchConfig, Pooled] = {}
     for config, group in groups.items():
-        pooled = {**group[-1], "measurements": len(group)}
-        for key in ("samples_per_s", "objective", "tflops_per_s", "mfu"):
-            values = [v for v in (as_number(r.get(key)) for r in group) if v]
+        means = {}
+        for key in _POOLED:
+            values = [v for v in (getattr(r, key) for r in group) if v]
             if values:
-                pooled[key] = statistics.geometric_mean(values)
-        out[config] = pooled
+                means[key] = statistics.geometric_mean(values)
+        out[config] = Pooled(dataclasses.replace(group[-1], **means), len(group))
     return out

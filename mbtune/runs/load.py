@@ -1,8 +1,10 @@
-"""A run directory read back: its trials as pandas, and the rest of what it says.
+"""A run directory read back: its trials as pandas, its typed experiment, and the rest of
+what it says.
 
 Pure: pandas and numpy, never torch nor ray. It reads a finished run, an interrupted one
 (no summary.json) and one whose driver was killed (trials.csv may end in half a row,
-which is dropped and counted). mbtune.runs.rundir writes what this reads.
+which is dropped and counted). mbtune.runs.rundir writes what this reads, and reads
+trials.csv for it (``read_trials``: the one rule for a half-written row).
 
 ``load_run(RUN_DIR)`` gives one row per trial with the columns of :mod:`mbtune.runs.record`
 (``COLUMNS``; docs/analysis.md lists them with their dtypes). Times are in ms unless the
@@ -16,10 +18,8 @@ recommendation stream.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,32 +28,22 @@ import numpy as np
 import pandas as pd
 
 from mbtune.config.experiment import Experiment
-from mbtune.config.load import load_run_experiment
+from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.runs import record
-from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.runs.record import TrialRecord
+from mbtune.runs.rundir import RunDir, read_trials
 
 __all__ = [
     "COLUMNS",
-    "SIZES",
     "SUMMARY_FILE",
     "RunInfo",
     "load_recommendations",
     "load_run",
+    "load_run_experiment",
     "load_runs",
     "run_info",
 ]
-
-SIZES = ("batch_size", "num_devices", "micro_batch_size")
-"""The three sizes that name a configuration (and match runs in a comparison)."""
-
-_INTS = record.names_of("int")
-_FLOATS = record.names_of("float")
-_BOOLS = tuple(c.name for c in record.COLUMNS if c.kind == "bool" and not c.derived)
-_LISTS = {
-    **dict.fromkeys(record.names_of("ints"), int),
-    **dict.fromkeys(record.names_of("floats"), float),
-}
 
 COLUMNS = tuple(c.name for c in record.COLUMNS)
 """The columns of :func:`load_run`, in order (a newer trials.csv may add more after)."""
@@ -82,10 +72,10 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
         raise MbtuneError(
             f"RUN_DIR: {run.path} has no trials.csv yet: no trial of this run has finished"
         )
-    header, records, dropped = _read_trials_csv(run.trials_file)
+    trials = read_trials(run.trials_file)
     stages = _experiment(run).train_input.pipeline_stages
-    frame, unusable = _typed_frame(header, records, stages)
-    frame.attrs["dropped_rows"] = dropped + unusable
+    frame = _typed_frame(trials.header, trials.records, stages)
+    frame.attrs["dropped_rows"] = trials.dropped
     return frame
 
 
@@ -111,88 +101,69 @@ def load_runs(run_dirs: Iterable[str | Path]) -> pd.DataFrame:
     return out
 
 
-def _read_trials_csv(path: Path) -> tuple[list[str], list[list[str]], int]:
-    """The header, every complete record, and how many partial records were dropped."""
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    if "\n" not in text:
-        return list(TRIAL_COLUMNS), [], 0  # killed while writing the header: no trial yet
-    try:
-        records = list(csv.reader(io.StringIO(text, newline="")))
-    except csv.Error as e:
-        raise MbtuneError(f"RUN_DIR: {path} is not a CSV file ({e})") from None
-    header, body = records[0], [r for r in records[1:] if r]
-    missing = [c for c in (*SIZES, "status") if c not in header]
-    if missing:
-        raise MbtuneError(
-            f"RUN_DIR: {path} lacks the column(s) {', '.join(missing)}; an mbtune "
-            f"trials.csv starts with the header {','.join(TRIAL_COLUMNS[:6])},..."
-        )
-    dropped = 0
-    if body and not text.endswith(("\n", "\r")):  # csv ends its rows with \r\n
-        body, dropped = body[:-1], 1  # the driver died mid-row: the last row is partial
-    complete = [r for r in body if len(r) == len(header)]
-    return header, complete, dropped + len(body) - len(complete)
-
-
 def _typed_frame(
-    header: list[str], records: list[list[str]], pipeline_stages: int
-) -> tuple[pd.DataFrame, int]:
-    """Text records -> the typed columns of COLUMNS; rows without their sizes are unusable."""
-    raw = pd.DataFrame(records, columns=header, dtype=object)
-    for name in TRIAL_COLUMNS:
-        if name not in raw:
-            raw[name] = ""  # an older trials.csv without this column
-    numbers = {name: pd.to_numeric(raw[name], errors="coerce") for name in (*_INTS, *_FLOATS)}
-    sizes = pd.concat([numbers[s] for s in ("trial", *SIZES)], axis=1)
-    usable = (sizes.notna().all(axis=1) & (sizes[list(SIZES)] >= 1).all(axis=1)).to_numpy()
-    raw = raw[usable].reset_index(drop=True)
-    numbers = {k: v[usable].reset_index(drop=True) for k, v in numbers.items()}
-
-    b, n, m = (numbers[s].astype("int64") for s in SIZES)
-    per_device = numbers["per_device_batch"].fillna(-(-b // n)).astype("int64")
-    derived = {
-        "per_device_batch": per_device,
-        "grad_accum_steps": numbers["grad_accum_steps"].fillna(-(-per_device // m)),
-        "pipeline_stages": numbers["pipeline_stages"].fillna(pipeline_stages),
-        "repeat": numbers["repeat"].fillna(0),  # older runs measured each configuration once
-    }
+    header: Sequence[str], records: Sequence[TrialRecord], pipeline_stages: int
+) -> pd.DataFrame:
+    """The records as the typed columns of COLUMNS (then a newer trials.csv's own, as
+    text); what an older run did not record is completed from the sizes and the
+    experiment (P, g, p), or its default."""
     columns: dict[str, Any] = {}
-    for name in COLUMNS:
-        if name in _INTS:
-            columns[name] = derived.get(name, numbers[name]).astype("int64")
-        elif name in _FLOATS:
-            columns[name] = numbers[name].astype("float64")
-        elif name == "strict":
-            columns[name] = ((b % n == 0) & ((b // n) % m == 0)).astype(bool)
-        elif name in _BOOLS:  # missing in older runs: false
-            columns[name] = raw[name].str.strip().str.lower().isin(("true", "1")).astype(bool)
-        elif name in _LISTS:
-            columns[name] = pd.Series(
-                [_parse_list(v, _LISTS[name]) for v in raw[name]], index=raw.index, dtype=object
+    for c in record.COLUMNS:
+        values = [_completed(r, c.name, pipeline_stages) for r in records]
+        if c.kind == "int":
+            columns[c.name] = pd.Series(values, dtype="int64")
+        elif c.kind == "float":
+            columns[c.name] = pd.Series(
+                [np.nan if v is None else float(v) for v in values], dtype="float64"
             )
-        elif name == "finished_at":
-            columns[name] = pd.to_datetime(
-                raw[name].replace("", None), errors="coerce", format="ISO8601"
+        elif c.kind == "bool":
+            columns[c.name] = pd.Series(values, dtype=bool)
+        elif c.kind in ("ints", "floats"):
+            columns[c.name] = pd.Series([list(v) for v in values], dtype=object)
+        elif c.kind == "datetime":
+            columns[c.name] = pd.to_datetime(
+                pd.Series(values, dtype=object), errors="coerce", format="ISO8601"
             )
         else:
-            columns[name] = _text(raw[name])
+            columns[c.name] = _text(values)
     for name in header:  # columns a newer trials.csv may add: kept as text
         if name not in columns:
-            columns[name] = _text(raw[name])
-    return pd.DataFrame(columns), int((~usable).sum())
+            cells = [dict(r.extras).get(name, "").strip() or None for r in records]
+            columns[name] = _text(cells)
+    return pd.DataFrame(columns)
 
 
-def _text(column: pd.Series) -> pd.Series:
-    return pd.Series([v.strip() or None for v in column], index=column.index, dtype=object).astype(
-        _TEXT
-    )
+_COMPLETED = ("per_device_batch", "grad_accum_steps", "pipeline_stages")
+"""Columns an older run may lack, which follow from the sizes and the experiment."""
 
 
-def _parse_list(text: str, kind: type) -> list:
-    try:
-        return [kind(float(v)) if kind is int else kind(v) for v in text.split()]
-    except ValueError:
-        return []
+def _completed(r: TrialRecord, name: str, pipeline_stages: int) -> Any:
+    """The record's value of column ``name``; where an older run did not record P, g or p,
+    what follows from the sizes and the experiment."""
+    value = getattr(r, name)
+    if value is not None or name not in _COMPLETED:
+        return value
+    per_device = r.per_device_batch or -(-r.batch_size // r.num_devices)
+    return {
+        "per_device_batch": per_device,
+        "grad_accum_steps": -(-per_device // r.micro_batch_size),
+        "pipeline_stages": pipeline_stages,
+    }[name]
+
+
+def _text(values: Sequence[str | None]) -> pd.Series:
+    return pd.Series(values, dtype=object).astype(_TEXT)
+
+
+def load_run_experiment(run_dir: str | Path) -> Experiment:
+    """The typed experiment a run directory saved (its ``experiment.yaml``).
+
+    The saved experiment is resolved (Experiment.to_dict: the table's absolute path, the
+    space inline), and reading it opens no file it names: a run whose replay table or
+    user model is gone still reads, as long as it is a valid experiment.
+    """
+    run = RunDir.open(run_dir)
+    return load_experiment(run.experiment_file)
 
 
 def _experiment(run: RunDir) -> Experiment:

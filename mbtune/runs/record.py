@@ -1,18 +1,40 @@
 """The trial record: the one definition of what a finished trial is, as a row.
 
-trials.csv's header (:data:`CSV_COLUMNS`), the typed frame of ``load_run`` (its dtypes)
-and the column table of docs/analysis.md (:func:`markdown_table`, checked by a test)
-are all derived from :data:`COLUMNS`. Pure: no torch, no pandas, no ray.
+:class:`TrialRecord` is a finished trial, typed: the trial's result as it reported it and
+what the run adds (its number, Ray's id, which look at the configuration, when, where).
+After the trial nothing else holds it: the run directory writes it as one row of
+trials.csv (:meth:`TrialRecord.to_row`) and reads it back (:meth:`TrialRecord.from_row`,
+by mbtune.runs.rundir's one reader); the search model, the reporter and ``load_run`` take
+it typed. trials.csv's header (:data:`CSV_COLUMNS`), the record's conversions, the typed
+frame of ``load_run`` (its dtypes), what names a configuration (:data:`CONFIG_KEY`) and
+the column table of docs/analysis.md (:func:`markdown_table`, checked by a test) are all
+derived from :data:`COLUMNS`. Pure: no torch, no pandas, no ray.
 
-A column is added here, once, and a trial result field of the same name then reaches
-trials.csv, the pandas frame and the docs.
+A column is added here, once (a :class:`Column`, and the record's field of the same
+name), and a trial result field of the same name then reaches trials.csv, the pandas
+frame and the docs; a new searched dimension is a column with ``searched=True``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["COLUMNS", "CSV_COLUMNS", "KINDS", "Column", "markdown_table", "names_of"]
+from mbtune.lattice import BatchConfig
+
+__all__ = [
+    "COLUMNS",
+    "CONFIG_KEY",
+    "CSV_COLUMNS",
+    "KINDS",
+    "SIZES",
+    "Column",
+    "TrialRecord",
+    "cell",
+    "markdown_table",
+]
 
 KINDS = ("int", "float", "bool", "text", "ints", "floats", "datetime")
 """How a column is typed in ``load_run``: int64, float64 (NaN where not measured), bool,
@@ -28,6 +50,8 @@ class Column:
     meaning: str
     derived: bool = False
     """Computed by ``load_run`` from other columns; not a column of trials.csv."""
+    searched: bool = False
+    """A dimension the search varies: part of what names a configuration (:data:`CONFIG_KEY`)."""
 
     @property
     def dtype(self) -> str:
@@ -44,17 +68,18 @@ COLUMNS: tuple[Column, ...] = (
     Column("status", "text", "", "`ok`, `oom`, `error` or `timeout`"),
     Column(
         "batch_size", "int", "samples",
-        "B: global batch, samples per optimizer step, all devices together",
+        "B: global batch, samples per optimizer step, all devices together", searched=True,
     ),
-    Column("num_devices", "int", "devices", "n: data-parallel devices"),
+    Column("num_devices", "int", "devices", "n: data-parallel devices", searched=True),
     Column(
         "micro_batch_size", "int", "samples",
         "m: samples per forward/backward pass on one device, as measured (after halving on OOM)",
+        searched=True,
     ),
     Column(
         "activation_checkpointing", "bool", "",
         "whether the blocks' activations were recomputed in the backward pass (false in runs "
-        "from before it was recorded)",
+        "from before it was recorded)", searched=True,
     ),
     Column(
         "repeat", "int", "",
@@ -154,10 +179,185 @@ COLUMNS: tuple[Column, ...] = (
 CSV_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if not c.derived)
 """The header of trials.csv."""
 
+CONFIG_KEY: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.searched)
+"""What names a configuration: every dimension the search varies (batch_size,
+num_devices, micro_batch_size, activation_checkpointing). Two trials with the same values
+here measured the same configuration; analysis deduplicates, matches runs and keeps
+pivots and plot lines apart on it."""
 
-def names_of(kind: str) -> tuple[str, ...]:
-    """The columns of one kind, e.g. ``names_of("float")``."""
-    return tuple(c.name for c in COLUMNS if c.kind == kind)
+SIZES = ("batch_size", "num_devices", "micro_batch_size")
+"""The three sizes of a configuration (B, n, m), the lattice's: the columns a table always
+shows, and the axes of a pivot and a plot. Part of :data:`CONFIG_KEY`, never all of it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """One finished trial: one row of trials.csv, typed.
+
+    Each field is the column of :data:`COLUMNS` of the same name (its meaning and unit are
+    there); a figure that was not measured is None, and a float column holds a number as the
+    trial reported it (an int where it reported a whole number: peak_memory_bytes), so that
+    :meth:`to_row` writes what the trial reported. ``extras`` holds, as text, the columns a
+    newer trials.csv may add. The sizes form a configuration, or the record is refused.
+    """
+
+    trial: int
+    trial_id: str | None = None
+    status: str | None
+    batch_size: int
+    num_devices: int
+    micro_batch_size: int
+    activation_checkpointing: bool = False
+    repeat: int = 0
+    per_device_batch: int | None = None
+    grad_accum_steps: int | None = None
+    micro_batches: tuple[int, ...] = ()
+    pipeline_stages: int | None = None
+    precision: str | None = None
+    samples_per_s: float | None = None
+    samples_per_s_per_device: float | None = None
+    tokens_per_s: float | None = None
+    step_time_ms_median: float | None = None
+    step_time_ms_iqr: float | None = None
+    compute_time_ms: float | None = None
+    comm_time_ms: float | None = None
+    bubble_time_ms: float | None = None
+    compile_s: float | None = None
+    compile_fallback: str | None = None
+    flops_per_sample: float | None = None
+    tflops_per_s: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: float | None = None
+    peak_reserved_bytes: float | None = None
+    alloc_retries: float | None = None
+    eval_samples_per_s: float | None = None
+    objective: float | None = None
+    micro_batch_sizes_tried: tuple[int, ...] = ()
+    step_times_ms: tuple[float, ...] = ()
+    wall_s: float | None = None
+    device: str | None = None
+    backend: str | None = None
+    parallel: str | None = None
+    reason: str | None = None
+    note: str | None = None
+    finished_at: str | None = None
+    """ISO 8601 local time, as trials.csv holds it (``load_run`` makes it a datetime)."""
+    node_id: str | None = None
+    extras: tuple[tuple[str, str], ...] = ()
+    """(column, text) of the columns a newer trials.csv holds beyond :data:`CSV_COLUMNS`."""
+
+    def __post_init__(self) -> None:
+        # a record names a configuration: sizes the lattice refuses (LatticeError) are no trial
+        BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
+
+    @property
+    def config(self) -> BatchConfig:
+        """The configuration measured (B, n, m as measured, activation checkpointing)."""
+        return BatchConfig(
+            self.batch_size, self.num_devices, self.micro_batch_size, self.activation_checkpointing
+        )
+
+    @property
+    def strict(self) -> bool:
+        """B % n == 0 and (B / n) % m == 0: every split is even."""
+        return self.config.is_strict
+
+    @classmethod
+    def from_result(cls, result: Mapping[str, Any]) -> TrialRecord:
+        """A trial's result as it reported it (numbers, lists, None: ``trial_metrics``, or
+        the JSON Tune hands back) with the run's columns of it (``trial``, ``trial_id``,
+        ``repeat``, ``finished_at``, ...). A key that is no column of trials.csv
+        (``mixes_batch``) is not recorded; a column it lacks is not measured."""
+        return cls(**{c.name: _typed(c.kind, result[c.name]) for c in _CSV if c.name in result})
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, str]) -> TrialRecord:
+        """A row of trials.csv, as its text (a column it lacks is empty; one it does not know
+        is kept in ``extras``). Raises ValueError (or LatticeError) where the row names no
+        trial: its trial number or sizes are not whole numbers, or form no configuration.
+        A figure that is not a number reads as not measured; a list with an item that is not
+        a number as empty; a run from before a column was recorded gets its default."""
+        values: dict[str, Any] = {}
+        for c in _CSV:
+            parsed = _PARSE[c.kind]((row.get(c.name) or "").strip())
+            if parsed is not None:
+                values[c.name] = parsed
+        missing = [name for name in ("trial", *SIZES) if name not in values]
+        if missing:
+            raise ValueError(f"no whole number in {', '.join(missing)}")
+        values.setdefault("status", None)
+        extras = tuple((k, v) for k, v in row.items() if k not in _CSV_NAMES and k is not None)
+        return cls(**values, extras=extras)
+
+    def to_row(self) -> dict[str, str]:
+        """The record as one row of trials.csv: each column's text, extras after them."""
+        return {**{c.name: cell(getattr(self, c.name)) for c in _CSV}, **dict(self.extras)}
+
+
+def cell(value: Any) -> str:
+    """A value as trials.csv writes it: a list space-separated (a float to 4 significant
+    digits), None empty, anything else as ``str`` (a float's shortest exact form)."""
+    if isinstance(value, list | tuple):
+        return " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+_CSV = tuple(c for c in COLUMNS if not c.derived)
+_CSV_NAMES = frozenset(CSV_COLUMNS)
+
+
+def _typed(kind: str, value: Any) -> Any:
+    """A reported value as the record holds it: a list as a tuple, a figure that is not a
+    finite number (NaN) as None."""
+    if kind in ("ints", "floats"):
+        return tuple(value or ())
+    if kind == "float" and value is not None and not math.isfinite(value):
+        return None
+    return value
+
+
+def _whole(text: str) -> int | None:
+    """A whole number written as one (``4``, ``4.0``), else None."""
+    number = _number(text)
+    return int(number) if number is not None and float(number).is_integer() else None
+
+
+def _number(text: str) -> float | None:
+    """A finite number as written (an int where it is one), else None."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _numbers(kind: type) -> Any:
+    """The parser of a space-separated list of ``kind``; one item that is not a number
+    (or an int column's inf) makes it empty."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(float(v)) if kind is int else kind(v) for v in text.split())
+        except (ValueError, OverflowError):
+            return ()
+
+    return parse
+
+
+_PARSE = {
+    "int": _whole,
+    "float": _number,
+    "bool": lambda text: text.lower() in ("true", "1"),
+    "text": lambda text: text or None,
+    "datetime": lambda text: text or None,
+    "ints": _numbers(int),
+    "floats": _numbers(float),
+}
+"""How a column's text in trials.csv becomes its value, by :data:`KINDS`; None: not there."""
 
 
 def markdown_table() -> str:

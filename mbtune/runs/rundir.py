@@ -1,8 +1,11 @@
-"""The run directory: everything a search writes, as it goes, so nothing is ever lost.
+"""The run directory: everything a search writes, as it goes, so nothing is ever lost;
+and trials.csv's one reader (:func:`read_trials`), which every reader of a run uses (the
+resumed search, its searcher catching up, ``load_run``).
 
 NAME-YYYYmmdd-HHMMSS/
     experiment.yaml   the resolved experiment
-    trials.csv        one row per finished trial, appended and flushed at once
+    trials.csv        one row per finished trial (mbtune.runs.record), appended and flushed
+                      at once
     recommendations.jsonl  the recommendation after each finished trial (one JSON a line)
     summary.json      the final summary (written atomically)
     optuna.db         the Optuna study (open it with optuna-dashboard)
@@ -17,15 +20,17 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from mbtune.errors import MbtuneError
-from mbtune.runs.record import CSV_COLUMNS
+from mbtune.lattice import LatticeError
+from mbtune.runs.record import CSV_COLUMNS, SIZES, TrialRecord, cell
 
-__all__ = ["TRIAL_COLUMNS", "RunDir"]
+__all__ = ["TRIAL_COLUMNS", "RunDir", "Trials", "read_trials"]
 
 TRIAL_COLUMNS = CSV_COLUMNS
 """The columns of trials.csv: mbtune.runs.record says what each holds."""
@@ -68,23 +73,21 @@ class RunDir:
         return self.path / "recommendations.jsonl"
 
     @property
-    def ray_dir(self) -> Path:
-        return self.path / "ray"
-
-    @property
     def optuna_url(self) -> str:
         return f"sqlite:///{(self.path / 'optuna.db').resolve()}"
 
     def write_experiment(self, resolved: Mapping[str, Any]) -> None:
         _atomic_write(self.experiment_file, yaml.safe_dump(dict(resolved), sort_keys=False))
 
-    def append_trial(self, row: Mapping[str, Any]) -> None:
-        """Append one finished trial and flush it to disk before returning.
+    def append_trial(self, record: TrialRecord | Mapping[str, Any]) -> None:
+        """Append one finished trial and flush it to disk before returning: a record, or
+        a mapping of columns to values (as a test writes a row by hand).
 
         A row is one write of the whole line, fsync'd. Should the machine die in the
-        middle of one, the torn line has no line end: it is cut off here before the next
-        row is appended (and :meth:`trials` never reads it), so it cannot corrupt the next.
+        middle of one, the torn line is cut off here before the next row is appended (and
+        :func:`read_trials` never reads it), so it cannot corrupt the next.
         """
+        row = record.to_row() if isinstance(record, TrialRecord) else record
         if self.trials_file.exists():
             _drop_torn_line(self.trials_file)
         new = not self.trials_file.exists() or self.trials_file.stat().st_size == 0
@@ -95,7 +98,7 @@ class RunDir:
         writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
-        writer.writerow({k: _cell(v) for k, v in row.items()})
+        writer.writerow({k: cell(v) for k, v in row.items()})
         with self.trials_file.open("a", newline="", encoding="utf-8") as f:
             f.write(text.getvalue())
             f.flush()
@@ -107,17 +110,16 @@ class RunDir:
         with self.trials_file.open(newline="", encoding="utf-8") as f:
             return tuple(next(csv.reader(f), ()))
 
-    def trials(self) -> list[dict[str, str]]:
+    def records(self) -> list[TrialRecord]:
         """Every finished trial so far (also from a run that was interrupted or killed)."""
-        if not self.trials_file.exists():
-            return []
-        with self.trials_file.open(newline="", encoding="utf-8") as f:
-            text = f.read()
-        if not text.endswith("\n"):  # a torn last line: that trial never finished writing
-            text = text[: text.rfind("\n") + 1]
-        rows = csv.DictReader(io.StringIO(text))
-        # a row with too few fields (None values) or too many (a None key) is not a trial
-        return [r for r in rows if r.get("trial") and None not in r and None not in r.values()]
+        return list(read_trials(self.trials_file).records)
+
+    def trials(self) -> list[dict[str, str]]:
+        """The same trials as text, each a row keyed by trials.csv's own header: what the
+        file says, for a person or a test to look at (mbtune reads :meth:`records`)."""
+        read = read_trials(self.trials_file)
+        rows = [r.to_row() for r in read.records]
+        return [{c: row.get(c, "") for c in read.header} for row in rows]
 
     def append_recommendation(self, record: Mapping[str, Any]) -> None:
         """Append one recommendation record and flush it to disk before returning."""
@@ -144,12 +146,6 @@ class RunDir:
 
     def write_json(self, name: str, data: Any) -> None:
         _atomic_write(self.path / name, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _cell(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value)
-    return "" if value is None else value
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -186,10 +182,74 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _drop_torn_line(path: Path) -> None:
-    """Cut a last line that has no line end (a write torn by a crash) off ``path``."""
+    """Cut the torn end of a write off ``path``, by :func:`read_trials`'s rule: what it
+    never reads is cut; a row torn between its \\r and \\n, which it reads, gets its \\n."""
     with path.open("rb+") as f:
         data = f.read()
-        if data and not data.endswith(b"\n"):
+        if data.endswith(b"\r"):
+            f.write(b"\n")
+        elif data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
-            f.flush()
-            os.fsync(f.fileno())
+        else:
+            return
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------
+# the one reader
+
+
+@dataclass(frozen=True)
+class Trials:
+    """What trials.csv holds, as :func:`read_trials` reads it."""
+
+    header: tuple[str, ...]
+    """trials.csv's own header: a run begun by an older mbtune has fewer columns, a newer
+    one may have more."""
+    records: tuple[TrialRecord, ...]
+    """Every finished trial, in the file's order."""
+    dropped: int
+    """Rows that are no finished trial (see :func:`read_trials`), skipped."""
+
+
+def read_trials(path: Path) -> Trials:
+    """Every finished trial in the trials.csv at ``path``; none where it does not exist yet.
+
+    The one rule for a half-written row: a row is written whole, \\r\\n included, in one
+    write; a driver killed in the middle of one leaves a last line with no line end. So a
+    row counts once its line end was begun (its \\r, or \\n): the text after the last
+    line end is a torn row and never a trial. Of the rest, a row is a finished trial when it
+    holds the header's number of fields and its trial number and sizes are whole numbers
+    that form a configuration (:meth:`TrialRecord.from_row`). Every other row is dropped
+    and counted (``dropped``). The writer (:meth:`RunDir.append_trial`) cuts exactly the
+    torn row before it appends, so a resumed run never glues a row to it.
+    """
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return Trials(CSV_COLUMNS, (), 0)
+    whole = text if text.endswith("\r") else text[: text.rfind("\n") + 1]
+    if not whole:
+        return Trials(CSV_COLUMNS, (), 0)  # killed while writing the header: no trial yet
+    try:
+        rows = [r for r in csv.reader(io.StringIO(whole, newline="")) if r]
+    except csv.Error as e:
+        raise MbtuneError(f"RUN_DIR: {path} is not a CSV file ({e})") from None
+    header, body = tuple(rows[0]) if rows else CSV_COLUMNS, rows[1:]
+    missing = [c for c in (*SIZES, "status") if c not in header]
+    if missing:
+        raise MbtuneError(
+            f"RUN_DIR: {path} lacks the column(s) {', '.join(missing)}; an mbtune "
+            f"trials.csv starts with the header {','.join(CSV_COLUMNS[:6])},..."
+        )
+    records = []
+    for fields in body:
+        if len(fields) != len(header):
+            continue
+        try:
+            records.append(TrialRecord.from_row(dict(zip(header, fields, strict=True))))
+        except (ValueError, LatticeError):
+            continue  # no trial number, or sizes that are no configuration
+    torn = bool(text[len(whole) :].strip())
+    return Trials(header, tuple(records), len(body) - len(records) + torn)

@@ -2,14 +2,14 @@
 recommendation; and when the search may stop. Ray Tune callbacks (they run in the
 driver, one trial at a time).
 
-The records are kept in memory as the trials reported them (numbers, lists); trials.csv
-is read only when a resumed search restores its callbacks from Ray's saved state.
+A finished trial becomes one TrialRecord (mbtune.runs.record), built once from what the
+trial reported, kept in memory and written as its row; trials.csv is read back (by
+RunDir's one reader) only when a resumed search restores its callbacks from Ray's state.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 import time
@@ -25,6 +25,7 @@ from mbtune.cluster import EXIT_CLUSTER_LOST
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line
+from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import settled, unpack_result
 
@@ -36,6 +37,7 @@ __all__ = [
     "head_lost",
     "print_line",
     "settled_after",
+    "tell_node",
 ]
 
 LEDGER_LOCK = threading.Lock()
@@ -70,21 +72,27 @@ class TrialLog(Callback):
         self.results: dict[str, dict[str, Any]] = {}
         self.settled = False
         """The confidence score reached its target and the leader was measured twice."""
-        self._rows: list[dict[str, Any]] | None = []
+        self._rows: list[TrialRecord] | None = []
         self._history: list[dict[str, Any]] | None = []
+        self._nodes: Any = None
+        """The TrialNodes actor (held: Ray ends an actor nobody holds); None before setup."""
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune saves the callbacks with its state; a resumed search reads the records back
         # from the run directory, which holds every trial finished since that save too
-        return {**self.__dict__, "_rows": None, "_history": None}
+        return {**self.__dict__, "_rows": None, "_history": None, "_nodes": None}
 
-    def _records(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def setup(self, **info):
+        # Tune calls it as a search starts or resumes, before any trial
+        self._nodes = start_trial_nodes()
+
+    def _records(self) -> tuple[list[TrialRecord], list[dict[str, Any]]]:
         if self._rows is None or self._history is None:  # restored: read the run back
-            self._rows, self._history = self.run.trials(), self.run.recommendations()
+            self._rows, self._history = self.run.records(), self.run.recommendations()
         return self._rows, self._history
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[TrialRecord]:
         """Every finished trial of the run, in order."""
         return self._records()[0]
 
@@ -120,8 +128,8 @@ class TrialLog(Callback):
                     target=self.target, max_repeats=self.max_repeats,
                 )  # fmt: skip
 
-    def _record(self, trial: Any, result: dict | None, crashed: bool) -> dict[str, Any] | None:
-        if any(r.get("trial_id") == trial.trial_id for r in self.rows):
+    def _record(self, trial: Any, result: dict | None, crashed: bool) -> TrialRecord | None:
+        if any(r.trial_id == trial.trial_id for r in self.rows):
             return None  # recorded before an interruption; Ray's state had not caught up
         row: dict[str, Any] = {
             **BatchConfig.from_mapping(trial.config).sizes(),
@@ -130,19 +138,20 @@ class TrialLog(Callback):
             "reason": "no result",
         }
         if crashed and result is None:
-            row["reason"], row["node_id"] = _actor_failure(trial)
+            row["reason"], row["node_id"] = _actor_failure(trial), _node_of(trial, self._nodes)
         row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
         row["trial"] = len(self.rows) + 1
         row["trial_id"] = trial.trial_id
         row["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        self.run.append_trial(row)
-        self.rows.append(row)
-        return row
+        record = TrialRecord.from_result(row)
+        self.run.append_trial(record)
+        self.rows.append(record)
+        return record
 
 
 def settled_after(
     reporter: Reporter,
-    rows: list[dict[str, Any]],
+    rows: list[TrialRecord],
     confidence: int,
     config: BatchConfig,
     *,
@@ -157,9 +166,9 @@ def settled_after(
                    noise_floor=reporter.model.noise_floor)  # fmt: skip
 
 
-def _actor_failure(trial: Any) -> tuple[str, str | None]:
+def _actor_failure(trial: Any) -> str:
     """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
-    the error Tune recorded; and the node that ran it, where the cluster still knows."""
+    the error Tune recorded."""
     path = getattr(trial, "error_file", None)
     try:
         text = Path(path).read_text(errors="replace") if path else ""
@@ -167,15 +176,68 @@ def _actor_failure(trial: Any) -> tuple[str, str | None]:
         text = ""
     last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
     words = " ".join(line.strip() for line in last if line.strip())
-    reason = "the trial actor failed" + (f": {words[:300]}" if words else "")
-    node = None
-    actor = re.search(r"\b[Aa]ctor ([0-9a-f]{32})\b", words)
-    if actor:
-        try:  # Ray has no public way to ask the GCS where an actor ran without a dashboard
-            node = ray._private.state.actors(actor.group(1))["Address"]["NodeID"] or None
-        except Exception:  # noqa: BLE001 - Ray's debugging API: the reason is what matters
-            node = None
-    return reason, node
+    return "the trial actor failed" + (f": {words[:300]}" if words else "")
+
+
+# ---------------------------------------------------------------------------
+# where each trial runs: told by the trial itself, before it measures
+
+NODES = "mbtune-nodes-{job}"
+"""The TrialNodes actor's name: one per Ray job (the driver's; its trial actors are in it
+too), as the progress board's."""
+
+
+class TrialNodes:
+    """The node each trial of the search runs on, told by its trial actor before it
+    measures (:func:`tell_node`): a trial whose node is lost never reports, yet its row
+    names the node. A Ray actor on the driver's node, so that it outlives any other."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, str] = {}
+
+    def tell(self, trial_id: str, node_id: str) -> None:
+        self.nodes[trial_id] = node_id
+
+    def node_of(self, trial_id: str) -> str | None:
+        return self.nodes.pop(trial_id, None)
+
+
+def start_trial_nodes() -> Any:
+    """In the driver: this job's TrialNodes actor, started on this node (or the one an
+    earlier search of the job started)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return (
+        ray.remote(TrialNodes)
+        .options(name=_nodes_name(), get_if_exists=True, num_cpus=0, scheduling_strategy=here)
+        .remote()
+    )
+
+
+def tell_node(node_id: str) -> None:
+    """In a trial actor, before it measures: tell the search that ``node_id`` runs this
+    trial (waited on, so that a node lost later cannot lose the message). Outside a search
+    there is no one to tell."""
+    try:
+        nodes = ray.get_actor(_nodes_name())
+        ray.get(nodes.tell.remote(tune.get_context().get_trial_id(), node_id), timeout=10)
+    except Exception:  # noqa: BLE001 - a row without its node is no reason to fail a trial
+        pass
+
+
+def _node_of(trial: Any, nodes: Any) -> str | None:
+    """The node ``trial`` said it ran on (None: it did not say, or no one to ask)."""
+    if nodes is None:
+        return None
+    try:
+        return ray.get(nodes.node_of.remote(trial.trial_id), timeout=10)
+    except Exception:  # noqa: BLE001 - the reason is what matters
+        return None
+
+
+def _nodes_name() -> str:
+    return NODES.format(job=ray.get_runtime_context().get_job_id())
 
 
 class TrialProgress(Callback):
@@ -210,7 +272,7 @@ def head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) ->
     finished trial is in trials.csv already; write the summary (interrupted, and why), say
     so in one line and exit. The trial in flight was not measured: --resume runs it."""
     with LEDGER_LOCK:  # no row is being written now, and none will be
-        rows = run.trials()
+        rows = run.records()
         summary = reporter.summary(rows, "interrupted", run.recommendations())
         summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
         run.write_json("summary.json", summary)

@@ -189,12 +189,18 @@ class OptunaSearcher(_PickledSearcher):
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         number = self.asked.pop(trial_id, None)
-        if number is None:
+        if number is None or number not in self._running():
+            # a study in the run directory outlives a killed driver: it may have been
+            # told this trial after Ray last saved the searcher that asked it
             return
         if error or not result:
             self.study.tell(number, state=optuna.trial.TrialState.FAIL)
         else:
             self.study.tell(number, float(result.get(METRIC) or 0.0))
+
+    def _running(self) -> set[int]:
+        states = (optuna.trial.TrialState.RUNNING,)
+        return {t.number for t in self.study.get_trials(deepcopy=False, states=states)}
 
     def tell(self, config: BatchConfig, value: float, *, measured: bool) -> None:
         """A result it did not ask for (measured in this search or not), added to the

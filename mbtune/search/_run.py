@@ -27,6 +27,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import SearchModel
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import summary_lines
+from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir
 from mbtune.search._ledger import (
     ConfidenceStop,
@@ -35,6 +36,7 @@ from mbtune.search._ledger import (
     head_lost,
     print_line,
     settled_after,
+    tell_node,
 )
 from mbtune.search._searcher import make_searcher, one_look_reason, pack_result
 from mbtune.search._signals import graceful_stop
@@ -59,15 +61,21 @@ def search_points(exp: Experiment) -> list[BatchConfig]:
 
 @dataclass(frozen=True)
 class SearchOutcome:
-    """A finished (or stopped) search: its run directory, every trials.csv row, summary."""
+    """A finished (or stopped) search: its run directory, every trial's record, summary."""
 
     run: RunDir
-    rows: list[dict[str, str]]
+    records: list[TrialRecord]
     summary: dict[str, Any]
 
+    @property
+    def rows(self) -> list[dict[str, str]]:
+        """Every trial as its row of trials.csv (text)."""
+        return [r.to_row() for r in self.records]
+
     def best(self, k: int = 5) -> list[dict[str, str]]:
-        ok = [r for r in self.rows if r["status"] == "ok" and r["objective"]]
-        return sorted(ok, key=lambda r: -float(r["objective"]))[:k]
+        """The ``k`` ok trials of the highest objective, as rows of trials.csv (text)."""
+        ok = [r for r in self.records if r.status == "ok" and r.objective is not None]
+        return [r.to_row() for r in sorted(ok, key=lambda r: -r.objective)[:k]]
 
 
 def run_search(
@@ -138,7 +146,7 @@ def resume_search(
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
     cluster = start_ray(exp, address, dashboard, verbose, print_line)
-    print_line(f"mbtune: resuming {run.path} ({len(run.trials())} trials already finished)")
+    print_line(f"mbtune: resuming {run.path} ({len(run.records())} trials already finished)")
     reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
     # the searcher, the callbacks and the stopper come back with Ray's saved state; they
     # read what finished since from the run directory
@@ -159,18 +167,18 @@ def _fit(
     with (
         graceful_stop() as interrupted,
         watch_head(cluster, lost),
-        progress.shown(finished=len(run.trials())),
+        progress.shown(finished=len(run.records())),
     ):
         tuner.fit()
-    rows, history = run.trials(), run.recommendations()
+    records, history = run.records(), run.recommendations()
     target = exp.search.confidence_target
     last = history[-1] if history else None
     confident = last is not None and settled_after(
-        reporter, rows, last["confidence"], BatchConfig.from_mapping(last),
+        reporter, records, last["confidence"], BatchConfig.from_mapping(last),
         target=target, max_repeats=exp.search.max_repeats,
     )  # fmt: skip
     status = "interrupted" if interrupted else "confident" if confident else "finished"
-    summary = reporter.summary(rows, status, history)
+    summary = reporter.summary(records, status, history)
     if summary["recommended"] and summary["recommended"]["measurements"] == 1:
         s = exp.search
         reason = one_look_reason(max_repeats=s.max_repeats, noise_floor=exp.noise_floor)
@@ -181,8 +189,8 @@ def _fit(
     if status == "interrupted":
         echo(f"mbtune: interrupted; every finished trial is in {run.trials_file}; continue "
              f"with: mbtune run --resume {run.path}")  # fmt: skip
-    outcome = SearchOutcome(run, rows, summary)
-    for line in summary_lines(rows, summary, run.path):
+    outcome = SearchOutcome(run, records, summary)
+    for line in summary_lines(records, summary, run.path):
         echo(line)
     return outcome
 
@@ -262,14 +270,11 @@ def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -
     """Teach the sampler an earlier run's results (they are not counted as measured here)."""
     space = set(points)
     told = 0
-    for row in earlier.trials():
-        try:
-            config = BatchConfig.from_mapping(row).canonical()
-        except (KeyError, ValueError):
-            continue
+    for record in earlier.records():
+        config = record.config.canonical()
         if config not in space:
             continue
-        speed = float(row["samples_per_s"]) if row.get("status") == "ok" else 0.0
+        speed = float(record.samples_per_s or 0.0) if record.status == "ok" else 0.0
         if exp.search.objective == "samples_per_s_per_device":
             speed /= config.num_devices
         searcher.tell(config, speed)
@@ -289,13 +294,15 @@ def _optuna_storage(run: RunDir) -> Any:
 
 def _trainable(config: dict[str, Any], *, experiment: Experiment, cwd: str) -> None:
     """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
-    measured, and where, to Tune. ``config["repeat"]``: which measurement of the
-    configuration this is (0: its first)."""
+    measured, and where, to Tune; the search learns where before the trial measures.
+    ``config["repeat"]``: which measurement of the configuration this is (0: its first)."""
     request = TrialRequest(
         experiment=experiment,
         config=BatchConfig.from_mapping(config),
         repeat=int(config.get("repeat", 0)),
     )
+    node_id = ray.get_runtime_context().get_node_id()
+    tell_node(node_id)  # before it measures: a trial whose node is lost never reports
     measure = measure_with_ray_train if _is_ddp(experiment) else measure_in_subprocess
     result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
-    tune.report(pack_result({**result, "node_id": ray.get_runtime_context().get_node_id()}))
+    tune.report(pack_result({**result, "node_id": node_id}))

@@ -25,6 +25,7 @@ from ray.tune.search import Searcher
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.report import another_look_line
+from mbtune.runs.record import TrialRecord
 from mbtune.search._proposers import (
     METRIC,
     DoublingSearcher,
@@ -230,8 +231,13 @@ class MbtuneSearcher(Searcher):
         value = 0.0 if error else float(result.get(METRIC) or 0.0)
         if result.get("mixes_batch"):
             self.full_batch_only = True
-        ran = self.key(BatchConfig.from_mapping(result)) if "micro_batch_size" in result else point
-        self._observe(trial_id, point, ran, result, value, error)
+        record = TrialRecord.from_result({
+            **point.sizes(), **result, "status": "error" if error else result.get("status"),
+            # the searcher's own count: the ledger numbers trials.csv's rows the same way
+            "trial": len(self.finished_ids) + 1, "trial_id": trial_id,
+        })  # fmt: skip
+        ran = self.key(record.config) if "micro_batch_size" in result else point
+        self._observe(trial_id, point, ran, record, value)
         if inner_id is not None:
             self.inner.on_trial_complete(inner_id, {METRIC: value})
         else:  # a start point or another look: the proposer did not ask for it
@@ -302,19 +308,10 @@ class MbtuneSearcher(Searcher):
         return {**point.sizes(), "repeat": self.looks[point]}
 
     def _observe(
-        self,
-        trial_id: str,
-        point: BatchConfig,
-        ran: BatchConfig,
-        result: dict,
-        value: float,
-        error: bool,
+        self, trial_id: str, point: BatchConfig, ran: BatchConfig, record: TrialRecord, value: float
     ) -> None:
         self.finished_ids.add(trial_id)
-        row = {**point.sizes(), **result, "status": "error" if error else result.get("status")}
-        o = observation(row)
-        if o is not None:
-            self.observations.append(o)
+        self.observations.append(observation(record))
         for config in {point, ran}:
             self.looks[config] += 1
             self.measured[config] = self._pooled(config) or value
@@ -377,15 +374,12 @@ class MbtuneSearcher(Searcher):
             return
         from mbtune.runs.rundir import RunDir
 
-        for row in RunDir(Path(self.ledger).parent).trials():
-            if row.get("trial_id") and row["trial_id"] in self.finished_ids:
+        for record in RunDir(Path(self.ledger).parent).records():
+            if record.trial_id and record.trial_id in self.finished_ids:
                 continue
-            try:
-                config = self.key(BatchConfig.from_mapping(row))
-            except (KeyError, ValueError):
-                continue
-            value = float(row.get("objective") or 0.0)
-            self._observe(row.get("trial_id") or "", config, config, row, value, False)
+            config = self.key(record.config)
+            value = float(record.objective or 0.0)
+            self._observe(record.trial_id or "", config, config, record, value)
             self.tell(config, value, measured=True)
 
 
