@@ -14,7 +14,7 @@ from mbtune.lattice import BatchConfig
 __all__ = ["BatchConfig", "Experiment", "MbtuneError", "load_experiment", "load_run", "load_runs"]
 __version__ = "0.1.0"
 
-_LAZY = {"load_run": "mbtune.analysis.frames", "load_runs": "mbtune.analysis.frames"}
+_LAZY = {"load_run": "mbtune.runs.load", "load_runs": "mbtune.runs.load"}
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,10 @@ token (Ray 2.59+ turns token authentication on for the clusters ``ray start`` ma
 ``ray.init`` would retry a refused driver for 20 s). Ray Client (``ray://``) is refused: it
 would run the whole search on the head node. The driver ships its own mbtune package to
 the cluster, so the nodes run the driver's code.
+
+Ray reads ``RAY_AUTH_MODE`` once, when it is imported: :func:`prepare_ray` checks a named
+cluster and sets it, so it runs before anything imports Ray (the ``mbtune`` command calls it
+first; :func:`init_ray` calls it too). This module imports Ray only inside its functions.
 """
 
 from __future__ import annotations
@@ -24,13 +28,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from mbtune.errors import MbtuneError
 
 __all__ = [
     "EXIT_CLUSTER_LOST", "TOKEN_CHECK_S", "check_reachable", "cluster_size", "init_ray",
-    "token_note", "token_source", "watch_head",
+    "prepare_ray", "token_note", "token_source", "watch_head",
 ]  # fmt: skip
 
 EXIT_CLUSTER_LOST = 75
@@ -55,12 +57,10 @@ def init_ray(
     """Join the cluster at ``address`` (or RAY_ADDRESS, as ray.init does), else start an
     embedded Ray. Returns the cluster's GCS address once joined (None for an embedded Ray)
     and the dashboard's host:port (None without one); None if Ray was running already."""
-    joining = address or os.environ.get("RAY_ADDRESS") or None
-    flag = "--address" if address else "RAY_ADDRESS"  # where the user said it
-    if joining and "://" in joining:
-        raise MbtuneError(RAY_CLIENT_REFUSED.format(flag=flag, address=joining))
-    if joining and joining != "auto":
-        check_reachable(joining, quiet=not verbose, flag=flag)
+    joining, flag = _joining(address)
+    prepare_ray(address)
+    import ray  # after prepare_ray: it may set RAY_AUTH_MODE, which Ray reads on import
+
     # Ray replaces builtins.print the first time it shows a message from the cluster (a
     # worker that died), also in a Ray started before; Tune then cannot save its state
     os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
@@ -85,6 +85,26 @@ def init_ray(
     return (ray.get_runtime_context().gcs_address if joining else None), url
 
 
+def prepare_ray(address: str | None) -> None:
+    """Ready this process to join the cluster at ``address`` (or RAY_ADDRESS; nothing to do
+    for an embedded Ray), before Ray is imported: Ray Client is refused, and a cluster
+    named by host:port is checked (:func:`check_reachable`), which sets RAY_AUTH_MODE=token
+    where the cluster wants the token at hand. Asked again, it checks again and says
+    nothing new."""
+    joining, flag = _joining(address)
+    if joining and "://" in joining:
+        raise MbtuneError(RAY_CLIENT_REFUSED.format(flag=flag, address=joining))
+    if joining and joining != "auto":
+        check_reachable(joining, flag=flag)
+
+
+def _joining(address: str | None) -> tuple[str | None, str]:
+    """The cluster to join (``address``, else RAY_ADDRESS; None: an embedded Ray) and the
+    flag the user named it with, for errors."""
+    joining = address or os.environ.get("RAY_ADDRESS") or None
+    return joining, "--address" if address else "RAY_ADDRESS"
+
+
 def _shipped_code() -> dict[str, Any]:
     """The runtime environment of a search on a cluster: this mbtune package, put first on
     every worker's PYTHONPATH (so also on its trial processes'), so that the cluster's
@@ -96,6 +116,8 @@ def _shipped_code() -> dict[str, Any]:
 
 def cluster_size() -> str:
     """The joined cluster in a few words: its live nodes, CPUs and GPUs."""
+    import ray
+
     nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     have = ray.cluster_resources()
     return f"{nodes} node(s), {have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs"
@@ -113,10 +135,11 @@ def token_note() -> str:
 # is the address worth asking ray.init about?
 
 
-def check_reachable(address: str, *, quiet: bool = True, flag: str = "--address") -> None:
+def check_reachable(address: str, *, flag: str = "--address") -> None:
     """Fail in seconds, not minutes, when nothing listens at ``address`` (host:port), or
-    when the cluster there wants a token this process does not send. ``flag`` names where
-    the address came from, in the error."""
+    when the cluster there wants a token this process does not send; where it wants the
+    token at hand, send it (:func:`_check_token`). ``flag`` names where the address came
+    from, in the error."""
     host, port = _host_port(address)
     if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise MbtuneError(
@@ -129,7 +152,7 @@ def check_reachable(address: str, *, quiet: bool = True, flag: str = "--address"
             f"{flag}: nothing answers at {address} ({getattr(e, 'strerror', None) or e}); "
             f"start a cluster with `ray start --head`, or {_without(flag)} for an embedded Ray"
         ) from None
-    _check_token(address, quiet, flag)
+    _check_token(address, flag)
 
 
 def _host_port(address: str) -> tuple[str, str]:
@@ -142,19 +165,18 @@ def _without(flag: str) -> str:
     return "unset RAY_ADDRESS" if flag == "RAY_ADDRESS" else f"leave out {flag}"
 
 
-def _check_token(address: str, quiet: bool, flag: str) -> None:
+def _check_token(address: str, flag: str) -> None:
     """A cluster with token authentication refuses a driver without its token. Ask once,
-    for at most TOKEN_CHECK_S; anything but a refused token is left for ray.init to report.
-    Refused without a token where one is at hand (RAY_AUTH_TOKEN, the file
-    RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token): use it, as ``--address auto`` does, say
-    so in one line, and ask again."""
-    try:
-        from ray.exceptions import AuthenticationError
-    except ImportError:  # a Ray without token authentication
-        return
-    if not isinstance(_ask_gcs(address, quiet), AuthenticationError):
-        return  # no answer, or not a token problem: ray.init says what it is
+    with the token Ray would send, for at most TOKEN_CHECK_S; anything but a refused token
+    is left for ray.init to report. Refused without a token where one is at hand
+    (RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token): ask again
+    with it and, taken, use it as ``--address auto`` does (RAY_AUTH_MODE=token, which Ray
+    reads when it is imported), and say so in one line."""
     mode = os.environ.get("RAY_AUTH_MODE", "")
+    at_hand = _token_at_hand(os.environ, Path.home())
+    sent = at_hand[1] if at_hand and mode.lower() == "token" else None  # as Ray would
+    if not _refuses(address, sent):
+        return  # taken, no answer, or not a token problem: ray.init says what it is
     if mode.lower() == "token":
         raise MbtuneError(_refused(flag, address, "this token"))
     if mode:  # the user's explicit choice: not overridden
@@ -162,16 +184,22 @@ def _check_token(address: str, quiet: bool, flag: str) -> None:
             f"{flag}: the Ray cluster at {address} requires token authentication, and "
             f"RAY_AUTH_MODE is {mode!r} here: unset it, or set it to token"
         )
-    source = token_source(os.environ, Path.home())
-    if source is None:
+    if at_hand is None:
         raise MbtuneError(
             f"{flag}: the Ray cluster at {address} requires token authentication: set "
             "RAY_AUTH_TOKEN to its token, or write it to ~/.ray/auth_token (on the head node, "
             "`ray get-auth-token` prints it)"
         )
-    _send_token()
-    if isinstance(_ask_gcs(address, quiet), AuthenticationError):
+    source, token = at_hand
+    if _refuses(address, token):
         raise MbtuneError(_refused(flag, address, f"the token in {source}"))
+    if "ray" in sys.modules:  # Ray read RAY_AUTH_MODE already: too late to set it
+        raise MbtuneError(
+            f"{flag}: the Ray cluster at {address} requires token authentication, and Ray "
+            "was imported before mbtune could turn it on: set RAY_AUTH_MODE=token (Ray "
+            "reads it when it is imported)"
+        )
+    os.environ["RAY_AUTH_MODE"] = "token"  # Ray's token loader then finds the same token
     print(
         f"mbtune: the Ray cluster at {address} requires token authentication: using the "
         f"token in {source}",
@@ -191,63 +219,47 @@ def _refused(flag: str, address: str, token: str) -> str:
 def token_source(environ: Mapping[str, str], home: Path) -> str | None:
     """Where Ray's token loader would find a token, in its order: ``RAY_AUTH_TOKEN``, else
     the file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``; None where none is."""
-    if environ.get("RAY_AUTH_TOKEN", "").strip():
-        return "RAY_AUTH_TOKEN"
+    at_hand = _token_at_hand(environ, home)
+    return at_hand[0] if at_hand else None
+
+
+def _token_at_hand(environ: Mapping[str, str], home: Path) -> tuple[str, str] | None:
+    """The token Ray's loader would find, and where (as :func:`token_source` names it)."""
+    if token := environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN", token
     named = environ.get("RAY_AUTH_TOKEN_PATH")
     path = Path(named) if named else home / ".ray" / "auth_token"
     try:
         held = path.read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
         return None
-    return str(path) if held else None
+    return (str(path), held) if held else None
 
 
-def _send_token() -> None:
-    """Send the token this process finds with every request to Ray, from now on (what
-    ``RAY_AUTH_MODE=token`` in the environment does; Ray reads its config once)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+GCS_PING = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+"""The gRPC method the token check calls: a Ray client's first call to a cluster's GCS (it
+asks for the cluster's id), answered to any client the GCS lets in."""
 
 
-def _ask_gcs(address: str, quiet: bool) -> BaseException | None:
-    """Connect to the GCS at ``address`` once, for at most TOKEN_CHECK_S; what it raised
-    (None: it answered, or did not answer in time)."""
-    from ray._raylet import GcsClient
+def _refuses(address: str, token: str | None) -> bool:
+    """Whether the GCS at ``address`` refuses a client that sends ``token`` (None: none),
+    asked once over gRPC, as Ray's own client asks, for at most TOKEN_CHECK_S. No answer
+    in time, or any answer but "unauthenticated", is no refusal.
 
-    answer: list[BaseException | None] = []
+    Not Ray's own client: importing Ray fixes its token mode for good (see prepare_ray).
+    gRPC (grpcio, which ray[default] requires) is imported here, not Ray. A cluster that
+    speaks TLS (RAY_USE_TLS) does not answer this plain channel: ray.init is left to judge."""
+    import grpc
 
-    def ask() -> None:
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    # direct, as Ray connects: not through an HTTP proxy named in the environment
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        ping = channel.unary_unary(GCS_PING)  # no serializers: bytes in and out
         try:
-            GcsClient(address=address)
-            answer.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            answer.append(e)
-
-    with _stderr_silenced(quiet):  # Ray's C++ client logs the refusal itself
-        asking = threading.Thread(target=ask, name="mbtune-token-check", daemon=True)
-        asking.start()
-        asking.join(TOKEN_CHECK_S)
-    return answer[0] if answer else None
-
-
-@contextlib.contextmanager
-def _stderr_silenced(silence: bool) -> Iterator[None]:
-    """Send file descriptor 2 (where Ray's C++ code logs) to /dev/null for a moment."""
-    if not silence:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+            ping(b"", timeout=TOKEN_CHECK_S, metadata=metadata)  # b"": the empty request
+        except grpc.RpcError as e:  # raised as a grpc.Call, which has the status code
+            return e.code() == grpc.StatusCode.UNAUTHENTICATED
+    return False
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,7 +18,7 @@ from test_search import TABLE
 MBTUNE = Path(sys.executable).with_name("mbtune")
 
 
-def experiment(tmp_path: Path) -> Path:
+def experiment(tmp_path: Path, **search) -> Path:
     (tmp_path / "t.csv").write_text(TABLE)
     spec = {
         "name": "sig",
@@ -26,7 +26,7 @@ def experiment(tmp_path: Path) -> Path:
         "train_input": {"batch_size": 32, "micro_batch_size": "auto"},
         # every configuration once, no stop on confidence: 11 trials unless interrupted
         "search": {"space": {"num_devices": [1, 2]}, "sampler": "grid",
-                   "confidence_target": 100, "max_repeats": 1},
+                   "confidence_target": 100, "max_repeats": 1, **search},
         "trial": {"backend": "replay", "table": str(tmp_path / "t.csv")},
         "output_dir": str(tmp_path / "runs"),
     }  # fmt: skip
@@ -35,10 +35,10 @@ def experiment(tmp_path: Path) -> Path:
     return path
 
 
-def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3):
+def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3, **search):
     """Start `mbtune run`, send ``sig`` once ``after_rows`` trials are in trials.csv."""
     proc = subprocess.Popen(
-        [MBTUNE, "run", str(experiment(tmp_path))],
+        [MBTUNE, "run", str(experiment(tmp_path, **search))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -93,6 +93,59 @@ def test_a_killed_driver_loses_no_finished_trial_and_resume_completes_it(tmp_pat
     before = rows(run)
     assert len(before) >= 3 and not (run / "summary.json").exists()
     resume_and_check(run, before)
+
+
+def clean(output: str) -> None:
+    """What a user reads: mbtune's lines, no traceback and no Ray Tune ERROR line."""
+    assert "Traceback" not in output and " ERROR " not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_resume_after_sigkill_is_clean_with_optuna_and_keeps_the_budget(tmp_path):
+    # Optuna's study (optuna.db) outlives the kill, told of trials Ray never saved:
+    # the resumed searcher must not tell it again ("Cannot tell a COMPLETE trial")
+    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, sampler="tpe", num_samples=10)
+    assert code == -signal.SIGKILL
+    before = rows(run)
+    done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    clean(done.stdout + done.stderr)
+    resumed = [line for line in done.stdout.splitlines() if line.startswith("mbtune: resuming: ")]
+    assert resumed == [f"mbtune: resuming: {len(before)} trials finished"] or (
+        len(resumed) == 1 and resumed[0].endswith("interrupted, measured again")
+    ), done.stdout
+    after = rows(run)
+    assert after[: len(before)] == before
+    first = [(r["num_devices"], r["micro_batch_size"]) for r in after if r["repeat"] == "0"]
+    assert len(first) == len(set(first))  # no configuration first-measured twice
+    assert len(after) <= 10  # the budget, though Ray's saved state knew fewer trials
+
+
+@pytest.mark.slow
+def test_a_second_writer_of_a_run_directory_exits_2_naming_the_first(tmp_path):
+    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL)
+    first = subprocess.Popen([MBTUNE, "run", "--resume", str(run)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        lock = run / ".lock"
+        while not (lock.exists() and '"pid"' in lock.read_text()):  # the holder wrote itself
+            assert time.monotonic() < deadline, "the first resume never took its lock"
+            time.sleep(0.1)
+        second = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
+                                text=True, timeout=60)  # fmt: skip
+        out, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2
+    refused = [line for line in second.stderr.splitlines() if " is in use by " in line]
+    assert len(refused) == 1 and f"(process {first.pid} on " in refused[0], second.stderr
+    clean(second.stdout + second.stderr)
+    assert first.returncode == 0, err[-3000:]
+    after = rows(run)
+    first_looks = [(r["num_devices"], r["micro_batch_size"]) for r in after if r["repeat"] == "0"]
+    assert len(first_looks) == len(set(first_looks)) == len(after) == 11
 
 
 def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():

@@ -387,29 +387,11 @@ def foreign_private_uses(source: str, where: str = "<source>") -> list[str]:
     return found
 
 
-KNOWN_PRIVATE_RAY = {
-    # Ray reads RAY_AUTH_MODE once, when it is imported; only its private Config can switch
-    # a driver that already imported Ray to token auth for a head named by --address
-    "mbtune/cluster.py": ("imports AuthenticationTokenLoader from ray._raylet",
-                          "imports Config from ray._raylet",
-                          "imports GcsClient from ray._raylet"),  # the one-shot GCS ping
-    # where a trial actor ran when its node died: Ray's public state API needs a dashboard
-    "mbtune/search/_ledger.py": ("ray._private",),
-}  # fmt: skip
-"""Private Ray module APIs mbtune uses, each with the reason no public one serves (no
-private attribute of a Ray or Optuna class is used anywhere). A new use fails the test."""
-
-
 def test_no_private_attribute_of_ray_or_optuna_is_used():
     uses = [
         line
-        for name, path in MODULES.items()
+        for path in MODULES.values()
         for line in foreign_private_uses(path.read_text(), str(path.relative_to(ROOT)))
-        if not any(
-            line.startswith(f"{where}:") and line.endswith(use)
-            for where, known in KNOWN_PRIVATE_RAY.items()
-            for use in known
-        )
     ]
     assert not uses, "\n".join(uses)
 

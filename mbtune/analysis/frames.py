@@ -28,10 +28,7 @@ from mbtune.config.schema import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
 from mbtune.report import recommended_line, sizes, step_suffix
-
-# load_run and load_runs: mbtune/__init__.py's lazy ``mbtune.load_run`` still names this
-# module; once it names mbtune.runs.load (where the two are defined), they go from here
-from mbtune.runs.load import SUMMARY_FILE, RunInfo, load_run, load_runs  # noqa: F401
+from mbtune.runs.load import SUMMARY_FILE, RunInfo
 from mbtune.runs.record import CONFIG_KEY, SIZES
 
 __all__ = [

@@ -101,6 +101,11 @@ COLUMNS: tuple[Column, ...] = (
         "precision", "text", "",
         "the arithmetic measured: `fp32`, `tf32`, `bf16` or `fp16` (`trial.precision` resolved)",
     ),
+    Column(
+        "sharding", "text", "",
+        "`none` (each device holds the whole model) or `fsdp` (each holds its shard: FSDP2); "
+        "empty in runs from before it was recorded",
+    ),
     Column("samples_per_s", "float", "samples/s", "global throughput: B / median step time"),
     Column("samples_per_s_per_device", "float", "samples/s", "samples_per_s / n"),
     Column(
@@ -214,6 +219,7 @@ class TrialRecord:
     micro_batches: tuple[int, ...] = ()
     pipeline_stages: int | None = None
     precision: str | None = None
+    sharding: str | None = None
     samples_per_s: float | None = None
     samples_per_s_per_device: float | None = None
     tokens_per_s: float | None = None

@@ -27,6 +27,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import SearchModel
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import summary_lines
+from mbtune.runs.lock import RunLock
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir
 from mbtune.search._ledger import (
@@ -93,6 +94,7 @@ def run_search(
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
     cluster = start_ray(exp, address, dashboard, verbose, say)
     run = RunDir.create(exp.output_dir, exp.name)
+    lock = RunLock.take(run.path, command="mbtune run")  # a --resume of it waits its turn
     run.write_experiment(exp.to_dict())
     s = exp.search
     model = _model_for(exp, points)
@@ -127,7 +129,10 @@ def run_search(
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    return _fit(tuner, run, exp, reporter, say, cluster)
+    try:
+        return _fit(tuner, run, exp, reporter, say, cluster)
+    finally:
+        lock.release()
 
 
 def resume_search(
@@ -141,19 +146,23 @@ def resume_search(
     from mbtune.config.load import load_experiment
 
     run = RunDir.open(path, flag="--resume")
+    lock = RunLock.take(run.path, command="mbtune run --resume")  # before anything is written
     exp = load_experiment(run.experiment_file)
     state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
     if not tune.Tuner.can_restore(str(state)):
         raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
     cluster = start_ray(exp, address, dashboard, verbose, print_line)
-    print_line(f"mbtune: resuming {run.path} ({len(run.records())} trials already finished)")
+    print_line(f"mbtune: resuming {run.path}")  # the searcher says what it kept, once restored
     reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
     # the searcher, the callbacks and the stopper come back with Ray's saved state; they
     # read what finished since from the run directory
     tuner = tune.Tuner.restore(
         str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
     )
-    return _fit(tuner, run, exp, reporter, print_line, cluster)
+    try:
+        return _fit(tuner, run, exp, reporter, print_line, cluster)
+    finally:
+        lock.release()
 
 
 RAY_DIR = "ray"
@@ -215,6 +224,7 @@ def _searcher_for(exp: Experiment, model: SearchModel, run: RunDir, say: Any) ->
         target=s.confidence_target,
         max_repeats=s.max_repeats,
         announce=say,
+        budget=s.num_samples,
     )
 
 

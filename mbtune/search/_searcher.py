@@ -149,7 +149,7 @@ def another_look(
     return None
 
 
-_SETTINGS = ("inner", "model", "target", "max_repeats", "ledger", "announce", "points")
+_SETTINGS = ("inner", "model", "target", "max_repeats", "ledger", "announce", "points", "budget")
 
 
 class MbtuneSearcher(Searcher):
@@ -174,9 +174,13 @@ class MbtuneSearcher(Searcher):
         start_points: Sequence[BatchConfig] = (),
         ledger: str | None = None,
         announce: Callable[[str], None] | None = None,
+        budget: int | None = None,
     ) -> None:
         super().__init__(metric=METRIC, mode="max")
         self.inner, self.model = inner, model
+        self.budget = budget
+        """search.num_samples: Tune counts only the trials in its saved state, and a driver
+        killed after a trial's row but before Ray saved it would otherwise buy one more."""
         self.target, self.max_repeats = target, max_repeats
         self.ledger = ledger
         """The run's trials.csv: on restore, what finished since the last save."""
@@ -204,6 +208,8 @@ class MbtuneSearcher(Searcher):
     # -- Tune's questions ---------------------------------------------------
 
     def suggest(self, trial_id: str) -> dict | str | None:
+        if self.budget is not None and len(self.finished_ids) + len(self.running) >= self.budget:
+            return Searcher.FINISHED
         while self.queue:
             point = self.key(self.queue.pop(0))
             if point not in self.measured and point not in self.busy():
@@ -379,8 +385,22 @@ class MbtuneSearcher(Searcher):
                 continue
             config = self.key(record.config)
             value = float(record.objective or 0.0)
+            # a trial Ray saved as running had finished: it is no longer in flight, and
+            # the proposer that asked for it is told (once: its study may know already)
+            _, inner_id = self.running.pop(record.trial_id or "", (None, None))
             self._observe(record.trial_id or "", config, config, record, value)
-            self.tell(config, value, measured=True)
+            if inner_id is not None:
+                self.inner.on_trial_complete(inner_id, {METRIC: value})
+            else:
+                self.tell(config, value, measured=True)
+        if self.announce:
+            self.announce(resume_line(len(self.finished_ids), len(self.running)))
+
+
+def resume_line(finished: int, interrupted: int) -> str:
+    """What a resumed search starts from: the trials kept, and those measured again."""
+    again = f", {interrupted} interrupted, measured again" if interrupted else ""
+    return f"mbtune: resuming: {finished} trials finished{again}"
 
 
 def make_searcher(
@@ -397,6 +417,7 @@ def make_searcher(
     max_repeats: int = 3,
     announce: Callable[[str], None] | None = None,
     model: SearchModel | None = None,
+    budget: int | None = None,
 ) -> MbtuneSearcher:
     """The searcher for ``search.sampler`` over ``points``; ``model``: the run's search
     model, else one of ``noise_floor``, ``global_objective`` and ``seed``."""
@@ -416,4 +437,5 @@ def make_searcher(
         start_points=start_points,
         ledger=str(ledger) if ledger else None,
         announce=announce,
+        budget=budget,
     )
