@@ -61,10 +61,16 @@ def rows(run: Path) -> list[dict]:
     return RunDir(run).trials()
 
 
+def clean(output: str) -> None:
+    """What a user reads: mbtune's lines, no traceback and no Ray Tune ERROR line."""
+    assert "Traceback" not in output and " ERROR " not in output, output[-3000:]
+
+
 def resume_and_check(run: Path, before: list[dict]) -> None:
     done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    clean(done.stdout + done.stderr)
     after = rows(run)
     assert after[: len(before)] == before  # nothing finished is lost or rewritten
     configs = [(r["num_devices"], r["micro_batch_size"]) for r in after]
@@ -95,11 +101,6 @@ def test_a_killed_driver_loses_no_finished_trial_and_resume_completes_it(tmp_pat
     resume_and_check(run, before)
 
 
-def clean(output: str) -> None:
-    """What a user reads: mbtune's lines, no traceback and no Ray Tune ERROR line."""
-    assert "Traceback" not in output and " ERROR " not in output, output[-3000:]
-
-
 @pytest.mark.slow
 def test_a_resume_after_sigkill_is_clean_with_optuna_and_keeps_the_budget(tmp_path):
     # Optuna's study (optuna.db) outlives the kill, told of trials Ray never saved:
@@ -125,27 +126,31 @@ def test_a_resume_after_sigkill_is_clean_with_optuna_and_keeps_the_budget(tmp_pa
 @pytest.mark.slow
 def test_a_second_writer_of_a_run_directory_exits_2_naming_the_first(tmp_path):
     code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL)
-    first = subprocess.Popen([MBTUNE, "run", "--resume", str(run)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    before = rows(run)
+    state = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
+    # the first writer: a resume holds the lock for its whole run (held here, so that the
+    # second surely comes while it runs, however fast the replayed trials are)
+    hold = ("import sys, time; from mbtune.runs.lock import RunLock; "
+            "lock = RunLock.take(sys.argv[1], command='mbtune run --resume'); "
+            "print('held', flush=True); time.sleep(120)")  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        lock = run / ".lock"
-        while not (lock.exists() and '"pid"' in lock.read_text()):  # the holder wrote itself
-            assert time.monotonic() < deadline, "the first resume never took its lock"
-            time.sleep(0.1)
+        assert first.stdout.readline().strip() == "held"
         second = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
                                 text=True, timeout=60)  # fmt: skip
-        out, err = first.communicate(timeout=300)
     finally:
         first.kill()
+        first.wait()
     assert second.returncode == 2
     refused = [line for line in second.stderr.splitlines() if " is in use by " in line]
     assert len(refused) == 1 and f"(process {first.pid} on " in refused[0], second.stderr
     clean(second.stdout + second.stderr)
-    assert first.returncode == 0, err[-3000:]
-    after = rows(run)
-    first_looks = [(r["num_devices"], r["micro_batch_size"]) for r in after if r["repeat"] == "0"]
-    assert len(first_looks) == len(set(first_looks)) == len(after) == 11
+    # refused before it wrote anything: the lock aside, the run directory is as it was
+    after = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
+    assert [x for x in after if x[0].name != ".lock"] == [x for x in state if x[0].name != ".lock"]
+    # the holder was SIGKILLed: its lock is gone, and the resume completes the search
+    resume_and_check(run, before)
 
 
 def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():

@@ -107,6 +107,7 @@ def _sharded_rank(rank: int, world: int, init: str) -> None:
         torch.testing.assert_close(loss, full_loss, rtol=1e-4, atol=0)
         for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
