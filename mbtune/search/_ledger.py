@@ -138,7 +138,14 @@ class TrialLog(Callback):
             "reason": "no result",
         }
         if crashed and result is None:
-            row["reason"], row["node_id"] = _actor_failure(trial), _node_of(trial, self._nodes)
+            row["node_id"] = _node_of(trial, self._nodes)
+            reason = _actor_failure(trial)
+            # Ray says an actor is unavailable when its connection broke, as when its node
+            # went away; it says so before its health checks have marked the node dead
+            wait_s = NODE_DEATH_WAIT_S if "unavailable" in reason else 0.0
+            if _is_lost(row["node_id"], wait_s):
+                reason = _actor_failure(trial, lost_node=True)
+            row["reason"] = reason
         row.update({k: v for k, v in (result or {}).items() if k in TRIAL_COLUMNS})
         row["trial"] = len(self.rows) + 1
         row["trial_id"] = trial.trial_id
@@ -166,9 +173,9 @@ def settled_after(
                    noise_floor=reporter.model.noise_floor)  # fmt: skip
 
 
-def _actor_failure(trial: Any) -> str:
+def _actor_failure(trial: Any, *, lost_node: bool = False) -> str:
     """Why a trial's Ray actor failed (its node lost, the actor killed), in one line, from
-    the error Tune recorded."""
+    the error Tune recorded; ``lost_node``: the cluster no longer has the node it ran on."""
     path = getattr(trial, "error_file", None)
     try:
         text = Path(path).read_text(errors="replace") if path else ""
@@ -176,7 +183,32 @@ def _actor_failure(trial: Any) -> str:
         text = ""
     last = text.rsplit("Failure # ", 1)[-1].splitlines()[1:]  # Tune's header line, then Ray's
     words = " ".join(line.strip() for line in last if line.strip())
-    return "the trial actor failed" + (f": {words[:300]}" if words else "")
+    what = "the node the trial ran on was lost" if lost_node else "the trial actor failed"
+    return what + (f": {words[:300]}" if words else "")
+
+
+NODE_DEATH_WAIT_S = 30.0
+"""How long a crashed trial's row waits for the cluster to say whether its node died: Ray
+marks a node dead after its health checks fail (about 15 s by default), while the trial's
+actor is seen to fail at once."""
+
+
+def _is_lost(node_id: str | None, wait_s: float = NODE_DEATH_WAIT_S) -> bool:
+    """Whether the cluster knows ``node_id`` as a node that is no longer alive, asked until
+    it says so or ``wait_s`` has passed (a node that answers its health checks is alive)."""
+    if not node_id:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        except Exception:  # noqa: BLE001 - without the cluster's word, the failure stands
+            return False
+        if not alive.get(node_id, True):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------
