@@ -32,7 +32,7 @@ from mbtune.errors import MbtuneError
 
 __all__ = [
     "EXIT_CLUSTER_LOST", "TOKEN_CHECK_S", "check_reachable", "cluster_size", "init_ray",
-    "prepare_ray", "token_note", "token_source", "watch_head",
+    "prepare_ray", "short_of", "token_note", "token_source", "watch_head", "watch_resources",
 ]  # fmt: skip
 
 EXIT_CLUSTER_LOST = 75
@@ -296,6 +296,65 @@ def watch_head(cluster: str | None, on_lost: Callable[[float], None]) -> Iterato
                 return
 
     thread = threading.Thread(target=watch, name="mbtune-head-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "memory": "memory"}
+"""mbtune's names of a trial's resources, and Ray's."""
+
+
+def short_of(need: dict[str, float], have: dict[str, float]) -> str | None:
+    """What a cluster with ``have`` (Ray's totals) lacks to hold one trial that needs
+    ``need`` (mbtune's names), in words, or None where it could hold one."""
+    short = [
+        f"{amount:g} {name.upper() if name != 'memory' else 'bytes of memory'} "
+        f"(the cluster has {have.get(RESOURCE_NAMES[name], 0):g})"
+        for name, amount in need.items()
+        if amount > 0 and have.get(RESOURCE_NAMES[name], 0) < amount
+    ]
+    return ", ".join(short) or None
+
+
+@contextlib.contextmanager
+def watch_resources(
+    cluster: str | None,
+    need: dict[str, float],
+    wait_s: float,
+    on_short: Callable[[str], None],
+    *,
+    every_s: float = 1.0,
+) -> Iterator[None]:
+    """While the block runs on a cluster: should the cluster's nodes together stop having
+    what one trial ``need``s (the nodes that had it went away) for ``wait_s`` seconds,
+    call ``on_short`` with what is missing, once, from a thread of its own. An embedded
+    Ray never loses a node: nothing is watched."""
+    if cluster is None:
+        yield
+        return
+    import ray
+
+    done = threading.Event()
+
+    def watch() -> None:
+        short_since = None
+        while not done.wait(every_s):
+            try:
+                missing = short_of(need, ray.cluster_resources())
+            except Exception:  # noqa: BLE001 - the head watch speaks for a silent cluster
+                continue
+            if missing is None:
+                short_since = None
+                continue
+            short_since = short_since or time.monotonic()
+            if time.monotonic() - short_since >= wait_s:
+                on_short(missing)
+                return
+
+    thread = threading.Thread(target=watch, name="mbtune-resource-watch", daemon=True)
     thread.start()
     try:
         yield

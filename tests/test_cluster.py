@@ -26,6 +26,7 @@ import pytest
 import yaml
 from local_cluster import LocalCluster, kill_session
 
+from mbtune.cluster import short_of
 from mbtune.runs.rundir import RunDir
 
 MBTUNE = [sys.executable, "-m", "mbtune.cli"]
@@ -462,3 +463,58 @@ def test_an_address_from_ray_address_is_named_so_in_errors(monkeypatch, tmp_path
     monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
     with pytest.raises(MbtuneError, match=r"^RAY_ADDRESS: ray://127.0.0.1:10001: Ray Client"):
         init_ray(None, False, False)
+
+
+def test_short_of_names_what_no_node_has_any_more():
+    need = {"cpu": 2.0, "gpu": 1.0}
+    assert short_of(need, {"CPU": 8.0, "GPU": 1.0}) is None
+    assert short_of(need, {"CPU": 1.0, "GPU": 1.0}) == "2 CPU (the cluster has 1)"
+    assert short_of(need, {"CPU": 4.0}) == "1 GPU (the cluster has 0)"
+    assert short_of({"cpu": 0, "gpu": 0, "memory": 1}, {"memory": 5e9}) is None
+
+
+@pytest.mark.slow
+def test_a_search_whose_only_node_that_fits_a_trial_is_lost_stops_cleanly_and_resumes(tmp_path):
+    held = Held(tmp_path, concurrent=1, sizes=(4, 8))
+    spec = yaml.safe_load(held.file.read_text())
+    spec["ray"].update(cpus_per_trial=2, resource_wait_s=3)  # only the worker fits a trial
+    held.file.write_text(yaml.safe_dump(spec))
+    small = LocalCluster()
+    proc = None
+    try:
+        small.start_head(num_cpus=1)
+        big = small.add_node(num_cpus=2)
+        held.hold()
+        proc = held.start(str(held.file), "--address", small.address, env=small.env())
+        wait_for(lambda: held.started(), "a trial in flight", proc, held)
+        small.kill(big)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc is not None:
+            stop(proc)
+        small.stop()
+    said = [line for line in held.out().splitlines() if "no node with what one trial" in line]
+    assert code == 130, held.err()[-3000:]
+    assert said == [
+        "mbtune: the Ray cluster has had no node with what one trial needs (2 CPU "
+        "(the cluster has 1)) for 3 s; stopping the search"
+    ], held.out()[-3000:]
+    assert "Traceback" not in held.err()
+    run = RunDir(held.run_dir())
+    before = run.trials()
+    assert [(r["micro_batch_size"], r["status"]) for r in before] == [("4", "error")]
+    assert before[0]["reason"].startswith("the node the trial ran on was lost: ")
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert (
+        summary["reason"]
+        == "the Ray cluster no longer had what one trial needs: 2 CPU (the cluster has 1)"
+    )
+    # resume where a trial fits (here an embedded Ray of this machine's two CPUs)
+    held.release()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([*MBTUNE, "run", "--resume", str(run.path)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = run.trials()
+    assert after[:1] == before and configs(after) == [4, 8] and after[1]["status"] == "ok"

@@ -443,6 +443,7 @@ RULES = [
     (RayConfig, dict(address="")),
     (RayConfig, dict(dashboard="on")),
     (RayConfig, dict(cpus_per_trial=-1)),
+    (RayConfig, dict(resource_wait_s=-1)),
     (RayConfig, dict(gpus_per_trial=-1)),
     (RayConfig, dict(max_concurrent_trials=0)),
     (Experiment, dict(name="a b")),

@@ -482,6 +482,10 @@ class RayConfig:
     """GPUs of one trial; with ``trial.parallel: ddp``, of each worker (a whole number)."""
     max_concurrent_trials: int = number(1)
     """Trials run at once."""
+    resource_wait_s: float = number(120.0, minimum=0.0)
+    """On a cluster: how long the search waits, once the cluster no longer has what one
+    trial needs (its nodes with them went away), for them to come back (an autoscaler's
+    replacement node); then it stops, as an interrupted search that ``--resume`` continues."""
 
     def __post_init__(self) -> None:
         check_fields(self, "ray")

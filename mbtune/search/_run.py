@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from ray import tune
 from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from mbtune import progress
-from mbtune.cluster import cluster_size, init_ray, token_note, watch_head
+from mbtune.cluster import cluster_size, init_ray, token_note, watch_head, watch_resources
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -173,9 +174,18 @@ def _fit(
     tuner: Any, run: RunDir, exp: Experiment, reporter: Reporter, echo: Any, cluster: str | None
 ) -> SearchOutcome:
     lost = functools.partial(head_lost, cluster, run, reporter)
+    gone: list[str] = []  # what the cluster no longer has for one trial, once it stopped
+
+    def short(missing: str) -> None:
+        gone.append(missing)
+        echo(f"mbtune: the Ray cluster has had no node with what one trial needs ({missing}) "
+             f"for {exp.ray.resource_wait_s:g} s; stopping the search")  # fmt: skip
+        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for a Ctrl-C
+
     with (
         graceful_stop() as interrupted,
         watch_head(cluster, lost),
+        watch_resources(cluster, trial_resources(exp), exp.ray.resource_wait_s, short),
         progress.shown(finished=len(run.records())),
     ):
         tuner.fit()
@@ -186,8 +196,10 @@ def _fit(
         reporter, records, last["confidence"], BatchConfig.from_mapping(last),
         target=target, max_repeats=exp.search.max_repeats,
     )  # fmt: skip
-    status = "interrupted" if interrupted else "confident" if confident else "finished"
+    status = "interrupted" if interrupted or gone else "confident" if confident else "finished"
     summary = reporter.summary(records, status, history)
+    if gone:
+        summary["reason"] = f"the Ray cluster no longer had what one trial needs: {gone[0]}"
     if summary["recommended"] and summary["recommended"]["measurements"] == 1:
         s = exp.search
         reason = one_look_reason(max_repeats=s.max_repeats, noise_floor=exp.noise_floor)
