@@ -120,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     trial.add_argument("--json", action="store_true", help="print one JSON object")
     trial.set_defaults(handler=_trial)
 
+    memory = commands.add_parser(
+        "memory",
+        parents=[experiment],
+        help="predict one device's peak memory for a configuration, without measuring it",
+        description="Predict the peak memory of one device (the busiest) when a (batch_size, "
+        "num_devices, micro_batch_size) of the experiment is measured, by part: parameters, "
+        "gradients, optimizer state, activations, collective buffers. The model is built on "
+        "torch's meta device and rank 0 of N steps on fake tensors: no model memory is "
+        "allocated and the device need not be here (trial.device: cuda on a laptop). Sizes "
+        "not given default to the experiment's train_input.",
+    )
+    memory.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
+    memory.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
+    memory.add_argument(
+        "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
+    )
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    memory.set_defaults(handler=_memory)
+
     run = commands.add_parser(
         "run",
         parents=[optional_experiment],
@@ -175,11 +194,54 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument(
         "--export",
         metavar="FRAMEWORK",
-        help="print the recommended configuration for cerebras, composer, deepspeed, hf, "
-        "lightning or megatron, and write it to RUN_DIR/export-FRAMEWORK.*",
+        help="print the recommended configuration for accelerate, cerebras, composer, "
+        "deepspeed, hf, lightning, megatron or torchtitan, and write it to "
+        "RUN_DIR/export-FRAMEWORK.*",
     )
     analyze.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     analyze.set_defaults(handler=_analyze)
+
+    plan = commands.add_parser(
+        "plan",
+        help="plan the real run: time to train, device-hours and cost at more devices",
+        description="Fit the step time of a run's trials (the compute of a micro-batch, "
+        "the all-reduce over two tiers of links) and plan the experiment's plan section: "
+        "for each planned device count the best configuration, its samples/s, hours, "
+        "device-hours and cost with 90% intervals; then the fastest, the cheapest, and the "
+        "cheapest within plan.max_slowdown of the fastest (docs/plan.md).",
+    )
+    plan.add_argument("run", metavar="RUN_DIR", help="a run directory")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="plan.KEY=VALUE",
+        action="append",
+        default=[],
+        help="set or override one key of the plan, e.g. --set plan.samples=1e9 "
+        "(repeatable; the value is read as YAML)",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help='print one object: {"rows": [...], "fastest", "cheapest", "cheapest_within"}',
+    )
+    plan.set_defaults(handler=_plan)
+
+    watch = commands.add_parser(
+        "watch",
+        help="follow a run directory: its recommendation, best configurations and progress",
+        description="Follow a run directory as its search writes it (here, or on another "
+        "machine of a shared filesystem), or show a finished one: the current "
+        "recommendation, the best configurations, the trials against search.num_samples "
+        "and the confidence score against its target. It reads only the run directory's "
+        "files and exits 0 once the run's summary.json is written, or on Ctrl-C.",
+    )
+    watch.add_argument("run", metavar="RUN_DIR", help="the run directory to follow")
+    watch.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS",
+        help="how often the files are read (default: 1)",
+    )  # fmt: skip
+    watch.set_defaults(handler=_watch)
     return parser
 
 
@@ -338,7 +400,22 @@ def _run(args: argparse.Namespace) -> int:
         outcome = run_search(exp, warm_start=args.warm_start, **where)
     if outcome.summary["status"] == "interrupted":
         return 130  # as a shell reports a command stopped by Ctrl-C
+    if exp.plan is not None and outcome.best():
+        _plan_block(outcome.run.path)
     return 0 if outcome.best() else 1
+
+
+def _plan_block(run_dir: Any) -> None:
+    """The plan of a finished run whose experiment has a plan section (after the search:
+    counting the model's bytes imports torch, which the driver keeps out while it runs). A
+    plan that cannot be made is one line; the run itself succeeded."""
+    from mbtune.plan import plan_lines, plan_run
+
+    try:
+        lines = plan_lines(plan_run(run_dir))
+    except MbtuneError as e:
+        lines = [f"mbtune: no plan: {_printable(str(e))}"]
+    print("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------
@@ -349,6 +426,32 @@ def _analyze(args: argparse.Namespace) -> int:
     from mbtune.analysis.analyze import analyze
 
     analyze(args.runs, fmt=args.format, export=args.export, plots=not args.no_plots)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# watch
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from mbtune.analysis.watch import watch
+
+    return watch(args.run, interval_s=args.interval)
+
+
+# ---------------------------------------------------------------------------
+# plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mbtune.plan import plan_lines, plan_run
+
+    plan = plan_run(args.run, args.overrides)
+    if args.json:
+        print(json.dumps(plan.as_json(), indent=2))
+        print(f"mbtune: {plan.link_basis}", file=sys.stderr)
+    else:
+        print("\n".join(plan_lines(plan)))
     return 0
 
 
@@ -374,6 +477,23 @@ def _trial(args: argparse.Namespace) -> int:
         for line in result_lines(result, threads=exp.cpu_threads):
             print(line)
     return 0 if result.status == "ok" else 1
+
+
+# ---------------------------------------------------------------------------
+# memory
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from mbtune.trial.predict import predict_memory, prediction_lines
+
+    exp = load_experiment(args.experiment, args.overrides)
+    config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
+    prediction = predict_memory(exp, config)
+    if args.json:
+        print(json.dumps(prediction.as_dict()))
+    else:
+        print("\n".join(prediction_lines(prediction)))
+    return 0
 
 
 def trial_config(

@@ -307,6 +307,8 @@ def result_lines(r: TrialResult, *, threads: int | None = None) -> list[str]:
             else ""
         )
         lines.append(f"  peak memory  {r.peak_memory_bytes / 2**20:,.0f} MiB{reserved}")
+    if r.loss is not None:
+        lines.append(f"  loss         {r.loss:.5g} (the last timed step's mean)")
     lines.append(f"  wall time    {r.wall_s:.1f} s")
     return lines
 

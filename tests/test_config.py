@@ -16,7 +16,9 @@ from mbtune.config.rules import ConfigError, parse_memory
 from mbtune.config.schema import (
     DEFAULT_SPACE,
     IntRange,
+    LinkTier,
     ModelConfig,
+    PlanConfig,
     RayConfig,
     SearchConfig,
     SpaceConfig,
@@ -199,6 +201,24 @@ def test_overrides():
     assert raw["train_input"]["batch_size"] == 32  # the input is left alone
     with pytest.raises(ConfigError, match=r"^--set: expected KEY\.PATH=VALUE"):
         apply_overrides(raw, ["train_input.batch_size"])
+
+
+def test_the_plan_section_is_read_with_its_tier_defaults_and_round_trips():
+    assert make().plan is None
+    raw = apply_overrides(
+        {"name": "t", "model": "mlp", "train_input": {"batch_size": 32}},
+        ["plan.samples=1e9", "plan.num_devices=[64, 8]", "plan.inter_node.bandwidth=25GB",
+         "plan.price_per_device_hour=2.5"],
+    )  # fmt: skip
+    exp = parse_experiment(raw)
+    plan = exp.plan
+    assert plan.samples == 1e9 and plan.num_devices == (8, 64) and plan.max_slowdown == 0.1
+    assert plan.price_per_device_hour == 2.5 and plan.devices_per_node == 8
+    intra, inter = plan.links()
+    assert intra == (370e9, 5e-6, 0.3)  # INTRA_NODE
+    assert inter == (25e9, 10e-6, 0.3)  # the rest: INTER_NODE
+    assert parse_experiment(exp.to_dict()).plan == plan
+    assert make(plan={"steps": "2e5"}).plan.steps == 200_000
 
 
 def test_resolved_experiment_round_trips():
@@ -446,6 +466,20 @@ RULES = [
     (RayConfig, dict(resource_wait_s=-1)),
     (RayConfig, dict(gpus_per_trial=-1)),
     (RayConfig, dict(max_concurrent_trials=0)),
+    (PlanConfig, dict()),
+    (PlanConfig, dict(samples=1.0, steps=2)),
+    (PlanConfig, dict(samples=-1.0)),
+    (PlanConfig, dict(tokens=0)),
+    (PlanConfig, dict(steps=1.5)),
+    (PlanConfig, dict(samples=1.0, num_devices=())),
+    (PlanConfig, dict(samples=1.0, num_devices=(0, 8))),
+    (PlanConfig, dict(samples=1.0, devices_per_node=0)),
+    (PlanConfig, dict(samples=1.0, price_per_device_hour=-1)),
+    (PlanConfig, dict(samples=1.0, max_slowdown=-0.1)),
+    (PlanConfig, dict(samples=1.0, nccl_tests=3)),
+    (LinkTier, dict(bandwidth=0)),
+    (LinkTier, dict(latency_us=-1)),
+    (LinkTier, dict(uncertainty=5)),
     (Experiment, dict(name="a b")),
     (Experiment, dict(output_dir=Path("a\0b"))),
     (Experiment, dict(trial=TrialConfig(backend="replay"))),
@@ -461,6 +495,7 @@ SECTIONS = {
     TrainInput: ["train_input"], SearchConfig: ["search"], TrialConfig: ["trial"],
     RayConfig: ["ray"], SpaceConfig: ["search", "space"], ModelConfig: ["model"],
     StartPoint: ["search", "start_points", 0], IntRange: ["search", "space", "micro_batch_size"],
+    PlanConfig: ["plan"], LinkTier: ["plan", "intra_node"],
 }  # fmt: skip
 """Where the YAML holds each class."""
 
@@ -532,10 +567,11 @@ def test_every_field_has_a_rule_above():
     missing = []
     for cls, prefix in [(TrainInput, "train_input"), (SearchConfig, "search"),
                         (SpaceConfig, "search.space"), (TrialConfig, "trial"), (RayConfig, "ray"),
-                        (ModelConfig, "model"), (Experiment, "")]:  # fmt: skip
+                        (ModelConfig, "model"), (PlanConfig, "plan"),
+                        (LinkTier, "plan.intra_node"), (Experiment, "")]:  # fmt: skip
         for f in dataclasses.fields(cls):
             if f.name in ("source", "space", "options", "model", "train_input", "search", "trial",
-                          "ray"):  # fmt: skip
+                          "ray", "intra_node", "inter_node"):  # fmt: skip
                 continue
             where = f"{prefix}.{f.name}" if prefix else f.name
             missing += [where] * (not any(n == where or n.startswith((f"{where}[", f"{where}."))

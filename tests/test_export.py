@@ -6,6 +6,7 @@ import functools
 import json
 import re
 import shlex
+import warnings
 
 import pytest
 import torch
@@ -13,12 +14,48 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mbtune.analysis.export import FRAMEWORKS, PRECISIONS, export_config, expressible
+from mbtune.analysis.export import FRAMEWORKS, PRECISIONS, SHARDINGS, export_config, expressible
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 
 # ---------------------------------------------------------------------------
 # each framework's snippet, read back the way the framework reads it, and its rule
+
+
+def accelerate(text: str, n: int) -> dict:
+    data = yaml.safe_load(text)
+    # the script's two lines, in the comment: "# accelerator = Accelerator(...)"
+    lines = [line[2:] for line in text.splitlines() if re.match(r"# \w+ = \w+\(", line)]
+    script = python_calls("\n".join(lines))
+    g, m = script["Accelerator"]["gradient_accumulation_steps"], script["DataLoader"]["batch_size"]
+    # Accelerate: the loader batch (per process) x gradient_accumulation_steps x num_processes
+    assert data["num_processes"] == n and data["num_machines"] == 1
+    return {"batch_size": m * g * n, "micro_batch_size": m}
+
+
+def torchtitan(text: str, n: int) -> dict:
+    data = toml(text)
+    b, m = data["training"]["global_batch_size"], data["training"]["local_batch_size"]
+    dp = data["parallelism"]
+    # torchtitan: the global batch divisible by the local batch x the data-parallel degree
+    assert dp["data_parallel_shard_degree"] * dp["data_parallel_replicate_degree"] == n
+    assert b % (m * n) == 0
+    return {"batch_size": b, "micro_batch_size": m}
+
+
+def toml(text: str) -> dict:
+    """TOML read as torchtitan reads it (Python 3.11's tomllib; skipped on 3.10)."""
+    return pytest.importorskip("tomllib").loads(text)
+
+
+def python_calls(text: str) -> dict[str, dict]:
+    """Each call of a name in ``text`` and its keyword arguments that are constants."""
+    return {
+        node.func.id: {k.arg: k.value.value for k in node.keywords
+                       if isinstance(k.value, ast.Constant)}
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }  # fmt: skip
 
 
 def cerebras(text: str, n: int) -> dict:
@@ -56,11 +93,7 @@ def hf(text: str, n: int) -> dict:
 
 
 def lightning(text: str, n: int) -> dict:
-    calls = {
-        node.func.id: {k.arg: k.value.value for k in node.keywords}
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-    }
+    calls = python_calls(text)
     devices = calls["Trainer"]["devices"]
     g, m = calls["Trainer"]["accumulate_grad_batches"], calls["DataLoader"]["batch_size"]
     # Lightning: the loader batch (per process) x accumulate_grad_batches x devices
@@ -90,10 +123,13 @@ def megatron_args(text: str) -> dict[str, str | None]:
 
 HF_KEYS = {
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "tf32",
-    "gradient_checkpointing", "gradient_checkpointing_kwargs",
+    "activation_checkpointing", "activation_checkpointing_kwargs", "fsdp", "fsdp_config",
 }  # fmt: skip
 
-READ_BACK = {f.__name__: f for f in (cerebras, composer, deepspeed, hf, lightning, megatron)}
+READ_BACK = {
+    f.__name__: f
+    for f in (accelerate, cerebras, composer, deepspeed, hf, lightning, megatron, torchtitan)
+}
 
 
 def test_every_framework_has_a_rule_check():
@@ -110,6 +146,8 @@ def test_an_even_configuration_is_exported_as_measured(framework):
     assert not [n for n in export.notes if "exported" in n]  # nothing changed
     if framework in ("deepspeed", "hf"):
         assert "from a test" not in export.text  # JSON has no comments
+    elif framework == "accelerate":
+        assert export.text.startswith("# from a test\n")
     else:
         assert "# from a test" in export.text
 
@@ -165,7 +203,9 @@ def test_megatron_pipeline_stages():
 
 
 def test_an_unknown_framework():
-    with pytest.raises(MbtuneError, match=r"unknown framework 'keras'; valid: cerebras, composer"):
+    with pytest.raises(
+        MbtuneError, match=r"unknown framework 'keras'; valid: accelerate, cerebras, "
+    ):
         export_config("keras", BatchConfig(8, 1, 2))
 
 
@@ -201,6 +241,11 @@ def test_every_export_obeys_its_frameworks_rule(config, framework):
 
 def precision_setting(framework: str, text: str) -> object:
     """The framework's own setting of the arithmetic, read back from the snippet."""
+    if framework == "accelerate":
+        return yaml.safe_load(text)["mixed_precision"]
+    if framework == "torchtitan":
+        training = toml(text)["training"]
+        return training["mixed_precision_param"], training["mixed_precision_reduce"]
     if framework == "cerebras":
         model = yaml.safe_load(text)["model"]
         return model["mixed_precision"], model.get("fp16_type")
@@ -221,6 +266,9 @@ def precision_setting(framework: str, text: str) -> object:
 
 
 PRECISION_SETTINGS = {
+    "accelerate": {"fp32": "no", "tf32": "no", "bf16": "bf16", "fp16": "fp16"},
+    "torchtitan": {"fp32": ("float32", "float32"), "tf32": ("float32", "float32"),
+                   "bf16": ("bfloat16", "float32"), "fp16": ("float32", "float32")},
     "cerebras": {"fp32": (False, None), "tf32": (False, None), "bf16": (True, "bfloat16"),
                  "fp16": (True, "float16")},
     "composer": {"fp32": "fp32", "tf32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"},
@@ -242,7 +290,8 @@ def test_the_precision_is_in_the_frameworks_own_keys(framework, precision):
     assert precision_setting(framework, export.text) == PRECISION_SETTINGS[framework][precision]
     assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
     tf32_note = [n for n in export.notes if "tf32" in n]
-    if precision == "tf32" and framework in ("composer", "deepspeed", "megatron"):
+    no_tf32 = ("accelerate", "composer", "deepspeed", "megatron", "torchtitan")
+    if precision == "tf32" and framework in no_tf32:
         assert tf32_note == [f"precision tf32: {framework} has no setting for it; {TF32_NOTE} "
                              "(TF32 matmuls, fp32 everything else)"]  # fmt: skip
     elif precision == "tf32" and framework == "cerebras":
@@ -252,6 +301,14 @@ def test_the_precision_is_in_the_frameworks_own_keys(framework, precision):
         ]
     else:  # said in the snippet itself (hf's tf32 key, Lightning's call), or not asked
         assert tf32_note == []
+    fp16_note = [n for n in export.notes if n.startswith("precision fp16")]
+    if precision == "fp16" and framework == "torchtitan":
+        assert fp16_note == [
+            "precision fp16: torchtitan trains in bfloat16 or float32 only; exported float32 "
+            "(mixed_precision_param), which was not measured as such"
+        ]
+    else:
+        assert fp16_note == []
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -263,10 +320,14 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
         export = export_config(framework, BatchConfig(64, 2, 4, activation_checkpointing=True))
     plain = export_config(framework, BatchConfig(64, 2, 4))
     notes = [n for n in export.notes if n.startswith("activation checkpointing")]
-    if framework == "hf":
-        assert json.loads(export.text)["gradient_checkpointing"] is True
-        assert json.loads(export.text)["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
-        assert "gradient_checkpointing" not in json.loads(plain.text)
+    if framework == "hf":  # transformers 5's names (gradient_checkpointing is deprecated)
+        assert json.loads(export.text)["activation_checkpointing"] is True
+        kwargs = json.loads(export.text)["activation_checkpointing_kwargs"]
+        assert kwargs == {"use_reentrant": False}
+        assert "activation_checkpointing" not in json.loads(plain.text)
+    elif framework == "torchtitan":
+        assert toml(export.text)["activation_checkpoint"]["mode"] == "full"
+        assert toml(plain.text)["activation_checkpoint"]["mode"] == "none"
     elif framework == "megatron":
         args = megatron_args(export.text)
         assert (args["--recompute-granularity"], args["--recompute-method"]) == ("full", "uniform")
@@ -282,13 +343,14 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
             f"activation checkpointing: {framework} has no setting that turns it on for any "
             "model; checkpoint the model's blocks as mbtune did (torch.utils.checkpoint."
             "checkpoint(block, x, use_reentrant=False); a transformers model: "
-            "model.gradient_checkpointing_enable())"
+            "model.activation_checkpointing_enable(), in transformers 4 "
+            "gradient_checkpointing_enable())"
         ]
     if framework == "hf":
-        assert "transformers 5 names gradient_checkpointing(_kwargs) activation_checkpointing" in (
+        assert "transformers 4 names activation_checkpointing(_kwargs) gradient_checkpointing" in (
             " ".join(export.notes)
         )
-    if framework in ("hf", "megatron"):
+    if framework in ("hf", "megatron", "torchtitan"):
         assert notes == []
     assert not [n for n in plain.notes if n.startswith("activation checkpointing")]
 
@@ -326,7 +388,9 @@ def test_hf_keys_build_training_arguments(tmp_path, precision, config):
     cuda = torch.cuda.is_available()
     cpu = {"use_cpu": True} if precision == "bf16" and not cuda else {}  # bf16 on the CPU
     try:
-        args = transformers.TrainingArguments(output_dir=str(tmp_path), **kwargs, **cpu)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # no deprecated key
+            args = transformers.TrainingArguments(output_dir=str(tmp_path), **kwargs, **cpu)
     except ValueError as e:
         # transformers checks the hardware: tf32 needs an Ampere GPU, and fp16 CUDA (before
         # 5.x); here the keys are fields of TrainingArguments and the refusal is about the
@@ -339,7 +403,7 @@ def test_hf_keys_build_training_arguments(tmp_path, precision, config):
         return
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (m, g)
     assert (args.bf16, args.fp16) == (precision == "bf16", precision == "fp16")
-    assert args.gradient_checkpointing is config.activation_checkpointing
+    assert args.activation_checkpointing is config.activation_checkpointing
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
@@ -369,3 +433,190 @@ def test_lightning_arguments_build_a_trainer(precision):
     assert (
         trainer.precision == {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}[precision]
     )
+
+
+# ---------------------------------------------------------------------------
+# a sharded configuration (trial.sharding: fsdp), as each framework shards
+
+
+def sharding_setting(framework: str, text: str) -> object:
+    """The framework's own sharding setting, read back from the snippet (None: none)."""
+    if framework == "accelerate":
+        data = yaml.safe_load(text)
+        fsdp = data.get("fsdp_config") or {}
+        return (
+            data["distributed_type"],
+            fsdp.get("fsdp_version"),
+            fsdp.get("fsdp_reshard_after_forward"),
+        )
+    if framework == "composer":
+        return (yaml.safe_load(text).get("parallelism_config") or {}).get("fsdp")
+    if framework == "deepspeed":
+        return json.loads(text).get("zero_optimization")
+    if framework == "hf":
+        data = json.loads(text)
+        return data.get("fsdp"), data.get("fsdp_config")
+    if framework == "lightning":
+        return python_calls(text).get("FSDPStrategy")
+    if framework == "megatron":
+        return tuple(a for a in megatron_args(text) if "fsdp" in a or a == "--ckpt-format")
+    if framework == "torchtitan":
+        dp = toml(text)["parallelism"]
+        return (dp["data_parallel_shard_degree"], dp["data_parallel_replicate_degree"],
+                dp.get("fsdp_reshard_after_forward"))  # fmt: skip
+    return "runconfig" in yaml.safe_load(text) and None  # cerebras: nothing to say it
+
+
+FSDP2 = ("--use-torch-fsdp2", "--ckpt-format")
+SHARDING_SETTINGS = {  # (sharding, reshard_after_forward): the setting read back
+    "accelerate": {("none", True): ("MULTI_GPU", None, None), ("fsdp", True): ("FSDP", 2, True),
+                   ("fsdp", False): ("FSDP", 2, False)},
+    "cerebras": {("none", True): None, ("fsdp", True): None, ("fsdp", False): None},
+    "composer": {("none", True): None, ("fsdp", True): {"sharding_strategy": "FULL_SHARD"},
+                 ("fsdp", False): {"sharding_strategy": "SHARD_GRAD_OP"}},
+    "deepspeed": {("none", True): None, ("fsdp", True): {"stage": 3},
+                  ("fsdp", False): {"stage": 2}},
+    "hf": {("none", True): (None, None),
+           ("fsdp", True): (True, {"version": 2, "reshard_after_forward": True}),
+           ("fsdp", False): (True, {"version": 2, "reshard_after_forward": False})},
+    "lightning": {("none", True): None, ("fsdp", True): {"sharding_strategy": "FULL_SHARD"},
+                  ("fsdp", False): {"sharding_strategy": "SHARD_GRAD_OP"}},
+    "megatron": {("none", True): (), ("fsdp", True): FSDP2,
+                 ("fsdp", False): (*FSDP2, "--torch-fsdp2-no-reshard-after-forward")},
+    "torchtitan": {("none", True): (1, 2, None), ("fsdp", True): (2, 1, "always"),
+                   ("fsdp", False): (2, 1, "never")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(("sharding", "reshard"), [("none", True), ("fsdp", True), ("fsdp", False)])
+def test_a_sharded_configuration_is_exported_as_the_framework_shards(framework, sharding, reshard):
+    export = export_config(
+        framework, BatchConfig(64, 2, 4), sharding=sharding, reshard_after_forward=reshard
+    )
+    assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    assert (
+        sharding_setting(framework, export.text)
+        == SHARDING_SETTINGS[framework][(sharding, reshard)]
+    )
+    cerebras_note = [n for n in export.notes if "sharding fsdp" in n]
+    if framework == "cerebras" and sharding == "fsdp":
+        assert cerebras_note == [
+            "sharding fsdp: a GPU setting with no Cerebras counterpart (a CS-X system manages "
+            "its own memory and arithmetic); not exported"
+        ]
+    else:
+        assert cerebras_note == []
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "hf", "lightning", "torchtitan"])
+def test_sharded_checkpointing_is_fsdps_own_where_the_framework_has_it(framework):
+    export = export_config(
+        framework, BatchConfig(64, 2, 4, activation_checkpointing=True), sharding="fsdp"
+    )
+    said = [n for n in export.notes if n.startswith("activation checkpointing")]
+    assert said == []  # a setting of its own: no note telling how
+    if framework == "accelerate":
+        assert yaml.safe_load(export.text)["fsdp_config"]["fsdp_activation_checkpointing"]
+    elif framework == "hf":  # FSDP's, not the training argument (no extra all-gather)
+        data = json.loads(export.text)
+        assert data["fsdp_config"]["activation_checkpointing"] is True
+        assert "activation_checkpointing" not in data
+    elif framework == "lightning":
+        assert "activation_checkpointing_policy={YourBlock} checkpoints them" in " ".join(
+            export.notes
+        )
+    else:
+        assert toml(export.text)["activation_checkpoint"]["mode"] == "full"
+
+
+def test_an_unknown_sharding():
+    with pytest.raises(MbtuneError, match=r"^--export: unknown sharding 'zero3'; valid: none, "
+                       r"fsdp$"):  # fmt: skip
+        export_config("hf", BatchConfig(8, 1, 2), sharding="zero3")
+
+
+# -- round trips of a sharded export, into the installed libraries
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_hf_fsdp_keys_build_training_arguments_with_fsdp2(tmp_path, monkeypatch, reshard,
+                                                          checkpointing):  # fmt: skip
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # TrainingArguments sets it
+    config = BatchConfig(64, 2, 4, activation_checkpointing=checkpointing)
+    export = export_config("hf", config, sharding="fsdp", reshard_after_forward=reshard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated key
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), **json.loads(export.text))
+    assert args.fsdp is True
+    plugin = args.fsdp_plugin_args  # what Accelerate's FSDP plugin is built from
+    assert (plugin["fsdp_version"], plugin["reshard_after_forward"]) == (2, reshard)
+    assert plugin.get("activation_checkpointing", False) is checkpointing
+    assert args.activation_checkpointing is False  # FSDP's own checkpointing, not this one
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_accelerate_config_launches_with_its_fsdp2_plugin(tmp_path, monkeypatch, sharding):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    export = export_config(
+        "accelerate", BatchConfig(64, 2, 4, True), precision="bf16", sharding=sharding,
+        reshard_after_forward=False,
+    )  # fmt: skip
+    path = tmp_path / export.filename
+    path.write_text(export.text)
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)  # the config file read as `accelerate launch`
+    assert (args.num_processes, args.mixed_precision) == (2, "bf16")
+    assert (args.use_fsdp, args.multi_gpu) == (sharding == "fsdp", sharding == "none")
+    if sharding == "none":
+        return
+    for key, value in prepare_multi_gpu_env(args).items():  # what each process is given
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert (plugin.reshard_after_forward, plugin.activation_checkpointing) == (False, True)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_lightning_fsdp_strategy_is_built(reshard):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    export = export_config(
+        "lightning", BatchConfig(64, 2, 4), precision="bf16", sharding="fsdp",
+        reshard_after_forward=reshard,
+    )  # fmt: skip
+    seen = {}
+    names = {
+        # Lightning's FSDP needs CUDA; the Trainer is checked for what it is handed
+        "Trainer": lambda **kwargs: seen.update(kwargs),
+        "DataLoader": torch.utils.data.DataLoader,
+        "train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)),
+    }
+    exec(export.text, names)  # the snippet as a user pastes it
+    strategy = seen["strategy"]
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy.name == ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
+    assert (seen["devices"], seen["accumulate_grad_batches"]) == (2, 8)
+
+
+def test_an_analyzed_sharded_run_exports_its_sharding(tmp_path, capsys):
+    from rundirs import make_run, trial_row
+
+    from mbtune.analysis.analyze import export_run
+    from mbtune.runs.load import load_run, run_info
+
+    path = make_run(tmp_path, [trial_row(32, 2, 8, 500.0, sharding="fsdp"),
+                               trial_row(32, 2, 4, 400.0, sharding="fsdp")])  # fmt: skip
+    export_run(load_run(path), run_info(path), "deepspeed")
+    assert json.loads(capsys.readouterr().out)["zero_optimization"] == {"stage": 3}
+    unsharded = make_run(tmp_path, [trial_row(32, 2, 8, 500.0)], name="plain")
+    export_run(load_run(unsharded), run_info(unsharded), "deepspeed")
+    assert "zero_optimization" not in json.loads(capsys.readouterr().out)

@@ -426,7 +426,7 @@ def test_errors_are_one_printable_line(workdir):
     path = write(workdir, VALID + '"a\\nb\\x1b[2J": 1\n')
     code, out, err = run_cli(["validate", path])
     assert code == 2 and err == "mbtune: error: a\\nb\\x1b[2J: unknown key; valid keys: " + (
-        "name, model, train_input, search, trial, ray, output_dir\n"
+        "name, model, train_input, search, trial, ray, plan, output_dir\n"
     )
 
 

@@ -154,13 +154,14 @@ LAYERS: dict[str, set[str]] = {
     "report": {"errors", "lattice", "config", "runs", "trial"},
     "recommend": {"errors", "lattice", "config", "runs", "report"},
     "analysis": {"mbtune", "errors", "lattice", "config", "runs", "report"},
+    "plan": {"errors", "lattice", "config", "runs", "report", "models"},
     "search": {
         "mbtune", "errors", "lattice", "config", "runs", "trial", "report", "recommend",
         "progress", "cluster",
     },
     "cli": {
         "errors", "lattice", "config", "runs", "models", "trial", "report", "analysis",
-        "search", "progress", "cluster",
+        "search", "progress", "cluster", "plan",
     },
     "mbtune": {"errors", "lattice", "config", "runs", "analysis"},
     "__main__": {"cli"},

@@ -121,14 +121,14 @@ def test_fsdp_on_two_ranks_inits_and_steps_as_one_process(tmp_path):
 # -- trials on Ray Train -------------------------------------------------------------------
 
 
-def _experiment(model: dict, sharding: str, batch_size: int = 4) -> object:
+def _experiment(model: dict, sharding: str, batch_size: int = 4, parallel: str = "ddp") -> object:
     return parse_experiment(
         {
             "name": "sharded",
             "model": model,
             "train_input": {"batch_size": batch_size, "micro_batch_size": 2, "num_devices": 2},
             "trial": {
-                "parallel": "ddp",
+                "parallel": parallel,
                 "sharding": sharding,
                 "device": "cpu",
                 "precision": "fp32",
@@ -170,3 +170,18 @@ def test_a_transformers_llama_from_its_config_runs_sharded(ray_session):
     r = run_trial(_experiment(llama, "fsdp", batch_size=8), BatchConfig(8, 2, 2))
     assert (r.status, r.reason, r.sharding, r.grad_accum_steps) == ("ok", None, "fsdp", 2)
     assert r.flops_per_sample > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sharded_trial_on_two_workers_has_the_loss_of_one_process(ray_session):
+    """The same seed and B: the 2 workers' samples are the global batch's halves, their
+    shards the one process's init, so the last timed step's loss (after the first step's
+    update) is the one process's, all-reduced over the ranks."""
+    gpt = {"name": "gpt", **GPT}
+    sharded = run_trial(_experiment(gpt, "fsdp", batch_size=8), BatchConfig(8, 2, 2))
+    assert (sharded.status, sharded.reason, sharded.grad_accum_steps) == ("ok", None, 2)
+    one = run_trial(_experiment(gpt, "none", 8, parallel="simulate"), BatchConfig(8, 1, 2))
+    assert (one.status, one.parallel, one.grad_accum_steps) == ("ok", "simulate", 4)
+    assert sharded.loss == pytest.approx(one.loss, rel=1e-4)
+    assert 3 < one.loss < 5  # about ln(64): random tokens of a vocabulary of 64

@@ -15,7 +15,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
 from mbtune.models.build import build_model
 from mbtune.trial.collectives import OneProcess
-from mbtune.trial.measure import Measurement, accumulate_gradients, measure
+from mbtune.trial.measure import Measurement, accumulate_gradients, measure, rank_batch
 from mbtune.trial.replay import ReplayTable
 from mbtune.trial.trial import result_of, ring_allreduce_s, run_trial
 
@@ -62,6 +62,25 @@ def test_accumulated_gradients_equal_full_batch_gradients(model, sizes):
     accumulate_gradients(spec.loss_fn, module, split_batch(data, sizes))
     for expected, p in zip(full, module.parameters(), strict=True):
         torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_each_rank_takes_its_rows_of_one_global_batch_drawn_under_the_seed():
+    """B = 7 on 2 ranks: rows 0-3 and 4-6 of the batch one process draws, copied (the
+    global batch is not kept alive by a view)."""
+    from types import SimpleNamespace
+
+    spec = build_model("mlp", {"in_features": 3, "hidden": 4, "n_layer": 1})
+    cpu = torch.device("cpu")
+    whole = rank_batch(spec, BatchConfig(7, 1, 2), OneProcess(), cpu, seed=5)
+    torch.manual_seed(5)
+    assert all(torch.equal(a, b) for a, b in zip(whole, spec.make_batch(7, cpu), strict=True))
+    ranks = [SimpleNamespace(rank=r, world_size=2) for r in (0, 1)]
+    parts = [rank_batch(spec, BatchConfig(7, 2, 2), group, cpu, seed=5) for group in ranks]
+    assert [len(x) for x, _ in parts] == [4, 3]
+    for i, t in enumerate(whole):
+        assert torch.equal(torch.cat([part[i] for part in parts]), t)
+    x, y = parts[1]
+    assert x.untyped_storage().nbytes() == x.nbytes and y.untyped_storage().nbytes() == y.nbytes
 
 
 def test_split_batch_gives_consecutive_views():
@@ -159,6 +178,44 @@ def test_a_measurement_with_its_all_reduce_measured_is_reported_as_measured():
     assert r.compile_s == pytest.approx(2.3) and r.eval_samples_per_s == pytest.approx(200)
     assert r.tflops_per_s == pytest.approx(1e9 * 16 / 0.3 / 2 / 1e12)
     assert r.mfu == pytest.approx(r.tflops_per_s)
+
+
+def test_the_loss_is_the_last_timed_steps_mean_over_the_batch_at_any_micro_batch_size():
+    """warm-up 0, 1 timed step: the loss after the first step's update, by hand."""
+    exp = experiment(trial={"warmup_steps": 0, "measure_steps": 1})
+    spec = build_model("mlp", exp.model.options, seed=exp.search.seed)
+    torch.manual_seed(exp.search.seed)
+    batch = spec.make_batch(16, torch.device("cpu"))
+    spec.loss_fn(spec.module, batch).backward()
+    torch.optim.AdamW(spec.module.parameters(), lr=1e-4).step()
+    with torch.no_grad():
+        expected = spec.loss_fn(spec.module, batch).item()
+    for m in (16, 4, 3):  # one pass, four, and uneven micro-batches (3 x 4 + 2 x 2)
+        r = run_trial(exp, BatchConfig(16, 1, m))
+        assert r.loss == pytest.approx(expected, rel=1e-5), m
+    assert result_of(exp, Measurement(config=BatchConfig(16, 1, 4), device="cpu")).loss is None
+
+
+NON_FINITE_MODEL = """
+import torch
+import torch.nn as nn
+
+def build():
+    return (nn.Linear(4, 1), lambda n, device: (torch.randn(n, 4, device=device),),
+            lambda m, b: m(b[0]).pow(2).mean() + float("VALUE"))
+"""
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_non_finite_loss_makes_the_trial_an_error(tmp_path, monkeypatch, value):
+    body = NON_FINITE_MODEL.replace("VALUE", value)
+    name = user_module(tmp_path, monkeypatch, f"diverged_{value}", body)
+    r = run_trial(experiment(model=name), BatchConfig(16, 1, 8))
+    assert (r.status, r.loss) == ("error", None)
+    assert r.reason == (
+        f"non-finite loss: {value} in the last timed step (fp16 overflow or a broken model)"
+    )
+    assert len(r.step_times_ms) == 3  # measured, then refused
 
 
 def test_gpt_reports_tokens_per_second():
@@ -344,6 +401,7 @@ def test_replay_answers_from_the_table(tmp_path):
         "ok", "replay", 200.0, 5000000
     )  # fmt: skip
     assert r.step_times_ms == (80.0, 80.0, 80.0)
+    assert r.loss is None  # a table has no loss: not measured, never 0
     assert run_trial(exp, BatchConfig(16, 1, 16)).status == "oom"
     assert run_trial(exp, BatchConfig(16, 2, 4)).samples_per_s == 150.0
 
@@ -437,6 +495,7 @@ def test_trial_command_prints_json(tmp_path, capsys):
     for key in ("samples_per_s", "step_time_ms_median", "step_time_ms_iqr", "compile_s",
                 "peak_memory_bytes", "status", "tokens_per_s", "comm_time_ms"):  # fmt: skip
         assert key in data
+    assert data["loss"] > 0
 
 
 def test_trial_command_prints_a_readable_result(tmp_path, capsys):
@@ -446,6 +505,7 @@ def test_trial_command_prints_a_readable_result(tmp_path, capsys):
     assert out.startswith("batch_size 16, num_devices 1, micro_batch_size 4: per device 16 "
                           "samples as 4 x 4 (4 micro-batches) on cpu (1 CPU thread)")  # fmt: skip
     assert "  status       ok" in out and "samples/s" in out
+    assert re.search(r"\n  loss         \d\.\d+ \(the last timed step's mean\)\n", out)
 
 
 BAD_TRIALS = {

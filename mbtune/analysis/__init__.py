@@ -1,5 +1,6 @@
 """A finished run analysed: ranking, pivots, the spread of repeats, two runs compared,
-the plots, the exports to other frameworks' configuration, and ``mbtune analyze``.
+the plots, the exports to other frameworks' configuration, and ``mbtune analyze``; and a
+run followed while it is written (``mbtune watch``).
 
 May import: mbtune, mbtune.errors, mbtune.lattice, mbtune.config, mbtune.runs,
 mbtune.report. Pure: no torch, no ray.

@@ -10,6 +10,8 @@ written, the export's notes) goes to stderr with csv and json, so that those pip
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,8 +22,10 @@ import pandas as pd
 from mbtune.analysis import frames as analysis
 from mbtune.analysis.export import check_framework, export_config
 from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
 from mbtune.report import export_header
 from mbtune.runs.load import RunInfo, load_run, run_info
+from mbtune.runs.record import SIZES
 
 __all__ = ["analyze", "compare_two", "export_run", "report_one"]
 
@@ -109,6 +113,7 @@ def export_run(trials: pd.DataFrame, info: RunInfo, framework: str) -> Path:
         ),
         precision=rec.precision,
         activation_checkpointing=c.activation_checkpointing,
+        sharding=_sharding(trials, rec.config, info),
     )
     path = info.path / snippet.filename
     print(snippet.text, end="")
@@ -120,3 +125,14 @@ def export_run(trials: pd.DataFrame, info: RunInfo, framework: str) -> Path:
         print(f"mbtune: {note}", file=sys.stderr)
     print(f"mbtune: wrote {path}", file=sys.stderr)
     return path
+
+
+def _sharding(trials: pd.DataFrame, config: BatchConfig, info: RunInfo) -> str:
+    """How the recommended configuration held the model: its trials' ``sharding``
+    (trials.csv), else the run's ``trial.sharding`` (runs from before the column)."""
+    if "sharding" in trials:
+        sizes = (trials[k] == getattr(config, k) for k in SIZES)
+        measured = trials.loc[functools.reduce(operator.and_, sizes), "sharding"].dropna()
+        if len(measured):
+            return str(measured.iloc[0])
+    return info.experiment.trial.sharding

@@ -11,14 +11,23 @@ express, and every change is said in ``Export.notes``:
 2. the run's own recommended global batch for (n, m) is used where it has one;
 3. otherwise the batch size moves to the nearest one the framework accepts for the same
    n and m (ties go up), as explore mode recommends a global batch (docs/design.md).
+
+A sharded configuration (``trial.sharding: fsdp``: each device held its shard of the
+model, FSDP2) is exported as each framework shards: transformers' ``fsdp`` and
+``fsdp_config`` (FSDP2), Accelerate's FSDP plugin config, Lightning's ``FSDPStrategy``,
+DeepSpeed's ZeRO stage 3 (2 where the parameters stay gathered after the forward pass),
+Composer's FSDP, Megatron-LM's torch FSDP2 and torchtitan's data-parallel shard degree;
+Cerebras has no counterpart, and says so.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import get_args
 
 from mbtune.config.schema import PRECISIONS as _TRIAL_PRECISIONS
+from mbtune.config.schema import Sharding
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
 from mbtune.report import micro_batches, per_device_split
@@ -27,15 +36,20 @@ __all__ = [
     "FRAMEWORKS",
     "PRECISIONS",
     "RULES",
+    "SHARDINGS",
     "Export",
     "check_framework",
     "expressible",
     "export_config",
 ]
 
-FRAMEWORKS = ("cerebras", "composer", "deepspeed", "hf", "lightning", "megatron")
+FRAMEWORKS = (
+    "accelerate", "cerebras", "composer", "deepspeed", "hf", "lightning", "megatron", "torchtitan",
+)  # fmt: skip
 
 RULES = {
+    "accelerate": "DataLoader batch_size x gradient_accumulation_steps x num_processes = the "
+    "global batch",
     "cerebras": "batch_size divisible by num_csx, and batch_size / num_csx divisible by "
     "micro_batch_size",
     "composer": "global_train_batch_size divisible by the number of devices, and "
@@ -45,18 +59,25 @@ RULES = {
     "hf": "per_device_train_batch_size x gradient_accumulation_steps x devices = the global batch",
     "lightning": "DataLoader batch_size x accumulate_grad_batches x devices = the global batch",
     "megatron": "--global-batch-size divisible by --micro-batch-size x the data-parallel size",
+    "torchtitan": "global_batch_size divisible by local_batch_size x the data-parallel degree",
 }
 """How each framework requires the numbers to relate, in its own names."""
 
 PRECISIONS = tuple(p for p in _TRIAL_PRECISIONS if p != "auto")
 """The precisions a snippet can say: a trial's, resolved (``auto`` is decided per device)."""
 
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+"""How a trial held the model: ``none`` (each device the whole) or ``fsdp`` (its shard)."""
+
 _TF32_CALL = 'torch.set_float32_matmul_precision("high")'
 
 _SUFFIX = {
-    "cerebras": "yaml", "composer": "yaml", "deepspeed": "json", "hf": "json",
-    "lightning": "py", "megatron": "args",
+    "accelerate": "yaml", "cerebras": "yaml", "composer": "yaml", "deepspeed": "json",
+    "hf": "json", "lightning": "py", "megatron": "args", "torchtitan": "toml",
 }  # fmt: skip
+
+_NO_CHECKPOINTING_SETTING = ("accelerate", "composer", "deepspeed", "lightning")
+"""Frameworks with no setting that checkpoints any model's blocks (unsharded)."""
 
 
 @dataclass(frozen=True)
@@ -93,17 +114,24 @@ def export_config(
     header: str | None = None,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
+    sharding: str = "none",
+    reshard_after_forward: bool = True,
 ) -> Export:
     """``config`` as ``framework``'s snippet, with the ``precision`` (fp32, tf32, bf16,
-    fp16) and the activation checkpointing that were measured (``activation_checkpointing``
-    or ``config``'s own) in the framework's own keys, or a note where it has none.
-    ``header`` becomes a comment where the format has comments (YAML, Python, arguments;
-    not JSON)."""
+    fp16), the activation checkpointing (``activation_checkpointing`` or ``config``'s own)
+    and the ``sharding`` (``none``, ``fsdp``) that were measured in the framework's own
+    keys, or a note where it has none. ``reshard_after_forward``: whether a sharded model's
+    parameters were freed after the forward pass (FSDP2's default; ZeRO-3 rather than 2).
+    ``header`` becomes a comment where the format has comments (YAML, TOML, Python,
+    arguments; not JSON)."""
     check_framework(framework)
     if precision not in PRECISIONS:
         raise MbtuneError(
             f"--export: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}"
         )
+    if sharding not in SHARDINGS:
+        raise MbtuneError(f"--export: unknown sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
+    fsdp = sharding == "fsdp"
     checkpointing = activation_checkpointing or config.activation_checkpointing
     exported, notes = expressible(framework, config, recommended_batch_size)
     b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
@@ -113,7 +141,19 @@ def export_config(
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
     if pipeline_stages > 1:
         launch += f" x {pipeline_stages} pipeline stages ({n * pipeline_stages} in all)"
-    if framework == "cerebras":
+    if framework == "accelerate":
+        text, more = _accelerate(
+            comment, n, m, g, precision, fsdp=fsdp, reshard=reshard_after_forward,
+            checkpointing=checkpointing,
+        )  # fmt: skip
+        notes += more
+    elif framework == "torchtitan":
+        text, more = _torchtitan(
+            comment, b, n, m, precision, stages=pipeline_stages, fsdp=fsdp,
+            reshard=reshard_after_forward, checkpointing=checkpointing,
+        )  # fmt: skip
+        notes += more
+    elif framework == "cerebras":
         fp16_type = "  fp16_type: bfloat16\n" if bf16 else "  fp16_type: float16\n" * fp16
         text = (
             f"{comment}train_input:\n  batch_size: {b}\n  micro_batch_size: {m}\n"
@@ -122,29 +162,49 @@ def export_config(
         )
     elif framework == "composer":
         amp = "amp_bf16" if bf16 else "amp_fp16" if fp16 else "fp32"
+        strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+        shard = f"parallelism_config:\n  fsdp:\n    sharding_strategy: {strategy}\n"
         text = (
             f"{comment}# world size {n}: each device loads {b // n} samples per step\n"
             f"global_train_batch_size: {b}\ndevice_train_microbatch_size: {m}\n"
-            f"precision: {amp}\n"
+            f"precision: {amp}\n{shard * fsdp}"
         )
     elif framework == "deepspeed":
         # DeepSpeed trains in fp32 unless its bf16 or fp16 block is enabled
         amp = {"bf16": {"enabled": True}} if bf16 else {"fp16": {"enabled": True}} if fp16 else {}
+        # ZeRO-3 shards the parameters, gradients and optimizer states as FSDP2 does; ZeRO-2
+        # keeps the parameters whole, as FSDP2 does between forward and backward without
+        # resharding after the forward pass
+        zero = {"zero_optimization": {"stage": 3 if reshard_after_forward else 2}} if fsdp else {}
         text = _json(
             train_batch_size=b,
             train_micro_batch_size_per_gpu=m,
             gradient_accumulation_steps=g,
             **amp,
+            **zero,
         )
         notes.append(f"{launch} (DeepSpeed's world size {n})")
     elif framework == "hf":
-        extra = {"tf32": True} if tf32 else {}
-        if checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
-            extra["gradient_checkpointing"] = True
-            extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        extra: dict[str, object] = {"tf32": True} if tf32 else {}
+        if fsdp:  # FSDP2; checkpointing FSDP's own (transformers' advice: no extra all-gather)
+            extra["fsdp"] = True
+            extra["fsdp_config"] = {
+                "version": 2,
+                "reshard_after_forward": reshard_after_forward,
+                **({"activation_checkpointing": True} if checkpointing else {}),
+            }
+        elif checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
+            extra["activation_checkpointing"] = True
+            extra["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+        if fsdp:
             notes.append(
-                "transformers 5 names gradient_checkpointing(_kwargs) activation_checkpointing"
-                "(_kwargs); the old names, which 4.x needs, still work there (deprecated)"
+                "keys as transformers 5 reads them: fsdp true and fsdp_config's FSDP2 keys "
+                "(version 2, reshard_after_forward)"
+            )
+        elif checkpointing:
+            notes.append(
+                "keys as transformers 5 reads them; transformers 4 names activation_"
+                "checkpointing(_kwargs) gradient_checkpointing(_kwargs)"
             )
         text = _json(
             per_device_train_batch_size=m,
@@ -157,43 +217,137 @@ def export_config(
     elif framework == "lightning":
         mode = "bf16-mixed" if bf16 else "16-mixed" if fp16 else "32-true"
         tf32_line = f"{_TF32_CALL}  # TF32 matmuls, as measured\n" if tf32 else ""
+        strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+        shard = (
+            f"from lightning.pytorch.strategies import FSDPStrategy\n\n"
+            f'strategy = FSDPStrategy(sharding_strategy="{strategy}")\n'
+        )
         text = (
-            f"{comment}{tf32_line}"
-            f'trainer = Trainer(devices={n}, accumulate_grad_batches={g}, precision="{mode}")\n'
+            f"{comment}{tf32_line}{shard * fsdp}"
+            f"trainer = Trainer(devices={n}, accumulate_grad_batches={g}, "
+            f'precision="{mode}"{", strategy=strategy" * fsdp})\n'
             f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
         )
+        if fsdp:
+            notes.append(
+                "FSDPStrategy(auto_wrap_policy={YourBlock}) makes each of your model's blocks "
+                "a unit of its own, as mbtune sharded it (without it the model is one unit)"
+                + "; activation_checkpointing_policy={YourBlock} checkpoints them"
+                * checkpointing
+            )
     else:
         pipeline = f" --pipeline-model-parallel-size {pipeline_stages}" * (pipeline_stages > 1)
         flags = " --bf16" * bf16 + " --fp16" * fp16
         # mbtune recomputes whole transformer blocks: Megatron's full granularity, each layer
         recompute = " --recompute-granularity full --recompute-method uniform"
         recompute += " --recompute-num-layers 1"
+        shard = " --use-torch-fsdp2 --no-gradient-accumulation-fusion --ckpt-format torch_dist"
+        shard += " --torch-fsdp2-no-reshard-after-forward" * (not reshard_after_forward)
         text = (
             f"{comment}# data-parallel size {n}: {g} micro-batches per step on each replica\n"
             f"--micro-batch-size {m} --global-batch-size {b}{pipeline}{flags}"
-            f"{recompute * checkpointing}\n"
+            f"{recompute * checkpointing}{shard * fsdp}\n"
         )
-    if framework in ("cerebras", "composer", "lightning", "megatron"):
+    if framework in ("accelerate", "cerebras", "composer", "lightning", "megatron", "torchtitan"):
         notes.append(launch)
-    if framework == "cerebras" and (tf32 or checkpointing):
+    if framework == "cerebras" and (tf32 or checkpointing or fsdp):
         gpu_only = ["precision tf32"] * tf32 + ["activation checkpointing"] * checkpointing
+        gpu_only += ["sharding fsdp"] * fsdp
         notes.append(
             f"{' and '.join(gpu_only)}: a GPU setting with no Cerebras counterpart (a CS-X "
             "system manages its own memory and arithmetic); not exported"
         )
-    elif tf32 and framework in ("composer", "deepspeed", "megatron"):
+    elif tf32 and framework in ("accelerate", "composer", "deepspeed", "megatron", "torchtitan"):
         notes.append(
             f"precision tf32: {framework} has no setting for it; call {_TF32_CALL} before "
             "training (TF32 matmuls, fp32 everything else)"
         )
-    if checkpointing and framework in ("composer", "deepspeed", "lightning"):
+    sharded_setting = fsdp and framework in ("accelerate", "lightning")  # FSDP's own switch
+    if checkpointing and framework in _NO_CHECKPOINTING_SETTING and not sharded_setting:
         notes.append(
             f"activation checkpointing: {framework} has no setting that turns it on for any "
             "model; checkpoint the model's blocks as mbtune did (torch.utils.checkpoint."
             "checkpoint(block, x, use_reentrant=False); a transformers model: "
-            "model.gradient_checkpointing_enable())"
+            "model.activation_checkpointing_enable(), in transformers 4 "
+            "gradient_checkpointing_enable())"
         )
     return Export(framework, exported, text, tuple(notes))
+
+
+def _accelerate(
+    comment: str,
+    n: int,
+    m: int,
+    g: int,
+    precision: str,
+    *,
+    fsdp: bool,
+    reshard: bool,
+    checkpointing: bool,
+) -> tuple[str, list[str]]:
+    """An ``accelerate launch --config_file`` YAML (FSDP2's plugin where sharded), and the
+    script's two numbers, which the config file has no key for, as its comment."""
+    kind = "FSDP" if fsdp else "MULTI_GPU" if n > 1 else "NO"
+    mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "'no'")  # quoted: YAML's no is false
+    text = (
+        f"{comment}# in the training script:\n"
+        f"# accelerator = Accelerator(gradient_accumulation_steps={g})\n"
+        f"# train_loader = DataLoader(train_dataset, batch_size={m})\n"
+        f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\n"
+        f"mixed_precision: {mixed}\nnum_machines: 1\nnum_processes: {n}\nmachine_rank: 0\n"
+        f"use_cpu: false\ndebug: false\n"
+    )
+    notes = [
+        f"accelerate launch --config_file export-accelerate.yaml train.py; in the script "
+        f"Accelerator(gradient_accumulation_steps={g}) and DataLoader(batch_size={m})"
+    ]
+    if fsdp:
+        text += (
+            f"fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: {_yaml(reshard)}\n"
+            f"  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+            f"  fsdp_activation_checkpointing: {_yaml(checkpointing)}\n"
+            f"  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+        )
+        notes.append(
+            "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP wraps a transformers model's "
+            "_no_split_modules, one unit per block as mbtune sharded it; for another model add "
+            "fsdp_transformer_layer_cls_to_wrap: YourBlock"
+        )
+    return text, notes
+
+
+def _torchtitan(
+    comment: str,
+    b: int,
+    n: int,
+    m: int,
+    precision: str,
+    *,
+    stages: int,
+    fsdp: bool,
+    reshard: bool,
+    checkpointing: bool,
+) -> tuple[str, list[str]]:
+    """torchtitan's job config (TOML): its data-parallel shard degree n where sharded
+    (FSDP2), else its replicate degree n (DDP); accumulation follows from the two batches."""
+    param = "bfloat16" if precision == "bf16" else "float32"
+    shard, replicate = (n, 1) if fsdp else (1, n)
+    text = (
+        f"{comment}[training]\nlocal_batch_size = {m}\nglobal_batch_size = {b}\n"
+        f'mixed_precision_param = "{param}"\nmixed_precision_reduce = "float32"\n\n'
+        f"[parallelism]\ndata_parallel_shard_degree = {shard}\n"
+        f"data_parallel_replicate_degree = {replicate}\n"
+        + f'fsdp_reshard_after_forward = "{"always" if reshard else "never"}"\n' * fsdp
+        + f"pipeline_parallel_degree = {stages}\n" * (stages > 1)
+        + f'\n[activation_checkpoint]\nmode = "{"full" if checkpointing else "none"}"\n'
+    )
+    notes = []
+    if precision == "fp16":
+        notes.append(
+            "precision fp16: torchtitan trains in bfloat16 or float32 only; exported float32 "
+            "(mixed_precision_param), which was not measured as such"
+        )
+    return text, notes
 
 
 def expressible(

@@ -20,6 +20,7 @@ from mbtune.config.rules import ConfigError, check_fields
 from mbtune.config.schema import (
     IntRange,
     ModelConfig,
+    PlanConfig,
     RayConfig,
     SearchConfig,
     SpaceConfig,
@@ -54,6 +55,8 @@ class Experiment:
     """How to measure one configuration."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where trials run."""
+    plan: PlanConfig | None = None
+    """The real run to plan (``mbtune plan``); None: no plan section."""
     output_dir: Path = Path("runs")
     """Where run directories are made."""
     source: Path | None = None
@@ -182,9 +185,19 @@ class Experiment:
                 },
                 "trial": dataclasses.asdict(self.trial),
                 "ray": dataclasses.asdict(self.ray),
+                **({"plan": _plan_dict(self.plan)} if self.plan is not None else {}),
                 "output_dir": self.output_dir,
             }
         )
+
+
+def _plan_dict(plan: PlanConfig) -> dict[str, Any]:
+    """The plan section as YAML spells it: the fields it sets (a tier: the keys it sets)."""
+    return {
+        k: {t: u for t, u in v.items() if u is not None} if isinstance(v, dict) else v
+        for k, v in dataclasses.asdict(plan).items()
+        if v is not None and v != ()
+    }
 
 
 def _enumerate(t: TrainInput, s: SpaceConfig, checkpointing: bool) -> list[BatchConfig]:

@@ -25,7 +25,9 @@ from mbtune.config.model_options import did_you_mean
 from mbtune.config.rules import ConfigError, field_kinds, kind_of, parse_memory, show
 from mbtune.config.schema import (
     IntRange,
+    LinkTier,
     ModelConfig,
+    PlanConfig,
     RayConfig,
     SearchConfig,
     SpaceConfig,
@@ -172,6 +174,7 @@ def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
             TrialConfig, _Section(top.get("trial"), "trial", _keys(TrialConfig)), base=base
         ),
         ray=_build(RayConfig, _Section(top.get("ray"), "ray", _keys(RayConfig))),
+        plan=_parse_plan(top.get("plan"), base) if top.get("plan") is not None else None,
         source=source,
     )
 
@@ -209,6 +212,35 @@ def _parse_search(raw: Any, base: Path) -> SearchConfig:
     if sec.get("start_points") is not None:
         converted["start_points"] = _parse_points(sec.get("start_points"), "search.start_points")
     return _build(SearchConfig, sec, **converted)
+
+
+def _parse_plan(raw: Any, base: Path) -> PlanConfig:
+    sec = _Section(raw, "plan", _keys(PlanConfig))
+    converted: dict[str, Any] = {}
+    for key in ("intra_node", "inter_node"):
+        with _under(f"plan.{key}"):
+            converted[key] = _build(LinkTier, _Section(sec.get(key), "", _keys(LinkTier)))
+    for key in ("samples", "tokens", "steps"):  # PyYAML reads 1e9 (no dot, no sign) as text
+        value = sec.get(key)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+            except ValueError:
+                continue  # the class refuses it, naming the value
+            converted[key] = int(number) if key == "steps" and number.is_integer() else number
+    devices = sec.get("num_devices")
+    if devices is not None:
+        converted["num_devices"] = (devices,) if _is(devices, int) else _tuple(devices, int)
+    paths = sec.get("nccl_tests")
+    if paths is not None:
+        items = [paths] if isinstance(paths, str) else paths
+        if isinstance(items, list) and all(isinstance(p, str) and p for p in items):
+            converted["nccl_tests"] = tuple(
+                _resolve(base / p, "plan.nccl_tests") if "\0" not in p else Path(p) for p in items
+            )
+        else:
+            converted["nccl_tests"] = paths  # the class refuses it, naming the value
+    return _build(PlanConfig, sec, **converted)
 
 
 def _parse_points(raw: Any, where: str) -> tuple[Any, ...]:

@@ -51,8 +51,12 @@ __all__ = [
     "PRECISIONS",
     "SAMPLERS",
     "STATUSES",
+    "INTER_NODE",
+    "INTRA_NODE",
     "IntRange",
+    "LinkTier",
     "ModelConfig",
+    "PlanConfig",
     "RayConfig",
     "SearchConfig",
     "SpaceConfig",
@@ -489,3 +493,109 @@ class RayConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "ray")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkTier:
+    """One tier of the planned cluster's links: ``plan.intra_node`` or ``plan.inter_node``
+    (its errors name its own keys, under the tier that holds it). A field left unset takes
+    the tier's default (:data:`INTRA_NODE`, :data:`INTER_NODE`; docs/plan.md says where
+    they come from)."""
+
+    bandwidth: int | None = memory()
+    """Bytes/s (YAML: ``370GB`` or bytes). intra_node: the all-reduce bus bandwidth one
+    node reaches (nccl-tests' busbw); inter_node: each device's own bandwidth off the node
+    (its NIC): a ring across nodes runs at the slower of intra_node and devices_per_node x
+    this."""
+    latency_us: float | None = number(None, minimum=0.0)
+    """Latency of one hop of the ring, in microseconds."""
+    uncertainty: float | None = number(None, minimum=0.0, maximum=3.0)
+    """The sd of the log of the bandwidth and of the latency (0.3: about 30%): how far the
+    real link may be from these figures. The plan draws the link from it."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "")
+
+    def resolved(self, default: LinkTier) -> tuple[float, float, float]:
+        """(bytes/s, latency in seconds, uncertainty), each unset field from ``default``."""
+        bandwidth = self.bandwidth if self.bandwidth is not None else default.bandwidth
+        latency_us = self.latency_us if self.latency_us is not None else default.latency_us
+        spread = self.uncertainty if self.uncertainty is not None else default.uncertainty
+        return float(bandwidth or 0), float(latency_us or 0) / 1e6, float(spread or 0)
+
+
+INTRA_NODE = LinkTier(bandwidth=370 * 10**9, latency_us=5.0, uncertainty=0.3)
+"""One node of 8 H100 SXM on NVLink: the ring all-reduce's bus bandwidth nccl-tests
+reports there, about 370 GB/s (docs/plan.md cites the published figures)."""
+INTER_NODE = LinkTier(bandwidth=45 * 10**9, latency_us=10.0, uncertainty=0.3)
+"""One 400 Gb/s InfiniBand NIC per device (50 GB/s line rate) at the 85-95% of line
+rate published nccl-tests runs reach across nodes (docs/plan.md)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """The real run to plan: ``plan:`` (optional; ``mbtune plan RUN_DIR``)."""
+
+    samples: float | None = number(None, positive=True)
+    """Samples the real run trains on (give one of samples, tokens, steps)."""
+    tokens: float | None = number(None, positive=True)
+    """Tokens the real run trains on: samples = tokens / the tokens of one sample, which
+    the run's trials counted (a model with a seq_len)."""
+    steps: int | None = number(None)
+    """Optimizer steps of the real run: samples = steps x each configuration's batch_size."""
+    num_devices: tuple[int, ...] = (8, 64, 256)
+    """The device counts to plan for."""
+    devices_per_node: int = number(8)
+    """Devices in one node: a device count above it crosses the inter-node tier."""
+    price_per_device_hour: float | None = number(None, minimum=0.0, maximum=1e6)
+    """The price of one device for one hour, in your currency; None: no cost."""
+    max_slowdown: float = number(0.10, minimum=0.0, maximum=100.0)
+    """"The cheapest within 10% of the fastest": 0.10."""
+    intra_node: LinkTier = LinkTier()
+    """The links within a node (see LinkTier; unset fields: INTRA_NODE)."""
+    inter_node: LinkTier = LinkTier()
+    """The links between nodes (see LinkTier; unset fields: INTER_NODE)."""
+    nccl_tests: tuple[Path, ...] = ()
+    """nccl-tests ``all_reduce_perf`` outputs to read the tiers from (YAML: a path or a
+    list, relative to the experiment file): one run within a node gives intra_node, one
+    across nodes inter_node (its bus bandwidth over the devices of a node). A tier's own
+    keys win over what a file says."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "plan")
+        given = [k for k in ("samples", "tokens", "steps") if getattr(self, k) is not None]
+        if not given:
+            raise ConfigError(
+                "plan",
+                "give one of samples, tokens or steps: how much the real run trains "
+                "(e.g. --set plan.samples=1e9)",
+            )
+        if len(given) > 1:
+            raise ConfigError(
+                f"plan.{given[1]}",
+                f"give one of samples, tokens or steps, not {' and '.join(given)}",
+            )
+        where = "plan.num_devices"
+        if not isinstance(self.num_devices, tuple) or not self.num_devices:
+            raise ConfigError(
+                where, f"expected a list of device counts, got {show(self.num_devices)}"
+            )
+        for item in self.num_devices:
+            check_number(item, where, _SIZES, integer=True)
+        paths = self.nccl_tests
+        if not isinstance(paths, tuple) or not all(
+            isinstance(p, Path) and str(p) and "\0" not in str(p) for p in paths
+        ):
+            raise ConfigError(
+                "plan.nccl_tests",
+                f"expected a path or a list of paths of nccl-tests outputs, got {show(paths)}",
+            )
+        for key in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, key), LinkTier):
+                raise ConfigError(
+                    f"plan.{key}", f"expected a LinkTier, got {show(getattr(self, key))}"
+                )
+
+    def links(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """(intra-node, inter-node) tiers resolved: (bytes/s, latency s, uncertainty)."""
+        return self.intra_node.resolved(INTRA_NODE), self.inter_node.resolved(INTER_NODE)

@@ -156,6 +156,12 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("eval_samples_per_s", "float", "samples/s", "forward-only throughput (`trial.eval`)"),
     Column(
+        "loss", "float", "",
+        "mean loss of the last timed step, over the global batch (`ddp`: all ranks' samples) "
+        "or the one measured device's (`simulate`); a non-finite loss makes the trial `error`; "
+        "empty for replayed trials and in runs from before it was recorded",
+    ),
+    Column(
         "objective", "float", "",
         "what the search maximised (`search.objective`); 0 for a failed trial",
     ),
@@ -237,6 +243,7 @@ class TrialRecord:
     peak_reserved_bytes: float | None = None
     alloc_retries: float | None = None
     eval_samples_per_s: float | None = None
+    loss: float | None = None
     objective: float | None = None
     micro_batch_sizes_tried: tuple[int, ...] = ()
     step_times_ms: tuple[float, ...] = ()

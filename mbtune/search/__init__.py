@@ -10,7 +10,8 @@ device, are that trial's own (see mbtune.trial.ddp).
 The package's parts, private behind this surface: ``_run`` (the Tuner, resume, warm
 start), ``_searcher`` (what Tune asks for the next trial: proposals, the cache, another
 look), ``_proposers`` (Optuna's ask-and-tell and the baselines), ``_ledger`` (a finished
-trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and SIGTERM).
+trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and SIGTERM),
+``_study`` (the run's Optuna study as optuna-dashboard shows it).
 
 May import: every room below it (mbtune, errors, lattice, config, runs, trial, report,
 recommend, progress, cluster); never torch (a test checks the driver).

@@ -28,6 +28,7 @@ from mbtune.report import trial_line
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import settled, unpack_result
+from mbtune.search._study import publish_recommendation
 
 __all__ = [
     "LEDGER_LOCK",
@@ -123,6 +124,10 @@ class TrialLog(Callback):
                 self.run.append_recommendation(rec.record())
                 self.history.append(rec.record())
                 self.echo(rec.line())
+                publish_recommendation(
+                    self.run.optuna_url, rec.line(), confidence=rec.confidence,
+                    target=self.target, trials=len(self.rows),
+                )  # fmt: skip
                 self.settled = settled_after(
                     self.reporter, self.rows, rec.confidence, rec.config,
                     target=self.target, max_repeats=self.max_repeats,

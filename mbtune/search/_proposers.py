@@ -21,13 +21,14 @@ import math
 import pickle
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig
+from mbtune.search._study import STUDY_NAME, config_attrs, set_trial_attrs
 
 __all__ = [
     "METRIC",
@@ -166,16 +167,22 @@ class OptunaSearcher(_PickledSearcher):
     """Optuna's ask-and-tell over the lattice, as a Tune searcher (``tpe``, ``gp``,
     ``random``): the same adapter as Ray's ``OptunaSearch``, written for a define-by-run
     space of lattice points and told results it did not ask for, through Optuna's public
-    API only. Its study lives in ``storage`` (the run's SQLite file) or in memory."""
+    API only. Its study lives in ``storage`` (the run's SQLite file) or in memory.
+
+    Every trial of the study carries, as user attributes, the configuration as the user
+    names it (set when it is asked) and what it measured (set when it is told: the keys of
+    the result beside the objective; mbtune.search._study says which)."""
 
     def __init__(self, space: OptunaSpace, sampler: str, seed: int, storage: Any = None) -> None:
         super().__init__(metric=METRIC, mode="max")
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.space = space
+        self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()
+        """The study's storage, through whose methods a trial's attributes are set."""
         self.study = optuna.create_study(
-            storage=storage,
+            storage=self.storage,
             sampler=_optuna_sampler(sampler, seed),
-            study_name="mbtune",
+            study_name=STUDY_NAME,
             direction="maximize",
             load_if_exists=True,
         )
@@ -185,29 +192,67 @@ class OptunaSearcher(_PickledSearcher):
     def suggest(self, trial_id: str) -> dict[str, Any]:
         trial = self.study.ask()
         self.asked[trial_id] = trial.number
-        return self.space(trial)
+        params = self.space(trial)
+        for key, value in config_attrs(BatchConfig.from_mapping(params)).items():
+            trial.set_user_attr(key, value)
+        return params
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        """Tell the study the trial ``trial_id`` asked for; ``result``: the objective and
+        the user attributes of what was measured (mbtune.search._study.record_attrs), or a
+        ``status`` alone."""
         number = self.asked.pop(trial_id, None)
-        if number is None or number not in self._running():
-            # a study in the run directory outlives a killed driver: it may have been
-            # told this trial after Ray last saved the searcher that asked it
+        if number is None:
             return
-        if error or not result:
-            self.study.tell(number, state=optuna.trial.TrialState.FAIL)
-        else:
-            self.study.tell(number, float(result.get(METRIC) or 0.0))
+        attrs = {k: v for k, v in (result or {}).items() if k != METRIC}
+        value = None if error or not result else float(result.get(METRIC) or 0.0)
+        state = self._state(number)
+        if state == optuna.trial.TrialState.RUNNING:
+            set_trial_attrs(self.storage, number, attrs)
+            if value is None:
+                self.study.tell(number, state=optuna.trial.TrialState.FAIL)
+            else:
+                self.study.tell(number, value)
+        elif state == optuna.trial.TrialState.FAIL and value is not None and "batch_size" in attrs:
+            # asked before the run was interrupted (and marked failed then), measured after
+            # it resumed: the result is learnt as a trial of its own
+            self.tell(BatchConfig.from_mapping(attrs), value, measured=True, attrs=attrs)
+        # COMPLETE: a study in the run directory outlives a killed driver, and may have been
+        # told this trial after Ray last saved the searcher that asked it
 
-    def _running(self) -> set[int]:
-        states = (optuna.trial.TrialState.RUNNING,)
-        return {t.number for t in self.study.get_trials(deepcopy=False, states=states)}
+    def _state(self, number: int) -> optuna.trial.TrialState:
+        study_id = self.storage.get_study_id_from_name(STUDY_NAME)
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+        return self.storage.get_trial(trial_id).state
 
-    def tell(self, config: BatchConfig, value: float, *, measured: bool) -> None:
+    def _told(self) -> set[str]:
+        """Ray's ids of the trials the study was told the results of."""
+        states = (optuna.trial.TrialState.COMPLETE,)
+        trials = self.study.get_trials(deepcopy=False, states=states)
+        return {t.user_attrs["trial_id"] for t in trials if "trial_id" in t.user_attrs}
+
+    def tell(
+        self,
+        config: BatchConfig,
+        value: float,
+        *,
+        measured: bool,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
         """A result it did not ask for (measured in this search or not), added to the
-        study as a finished trial: Optuna learns from every result."""
+        study as a finished trial: Optuna learns from every result. ``attrs``: its user
+        attributes beyond the configuration (mbtune.search._study.record_attrs)."""
+        if measured and attrs and attrs.get("trial_id") in self._told():
+            return  # told before the driver was killed, and read back from trials.csv now
         params, distributions = self.space.encode(config.canonical())
+        status = {"status": "ok" if value > 0 else "error"}
         self.study.add_trial(
-            optuna.trial.create_trial(params=params, distributions=distributions, value=value)
+            optuna.trial.create_trial(
+                params=params,
+                distributions=distributions,
+                value=value,
+                user_attrs={**config_attrs(config), **status, **(attrs or {})},
+            )
         )
 
 
@@ -240,9 +285,16 @@ class ListSearcher(_PickledSearcher):
         if point is not None:
             self.values[point] = (result or {}).get(METRIC, 0.0) if not error else 0.0
 
-    def tell(self, config: BatchConfig, value: float, *, measured: bool) -> None:
+    def tell(
+        self,
+        config: BatchConfig,
+        value: float,
+        *,
+        measured: bool,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
         """A result it did not ask for: learnt only where this search ``measured`` it (a
-        warm start must not make ``grid`` skip a configuration)."""
+        warm start must not make ``grid`` skip a configuration); ``attrs`` are Optuna's."""
         if measured:
             self.values[config.canonical()] = value
 

@@ -42,6 +42,7 @@ from mbtune.search._ledger import (
 )
 from mbtune.search._searcher import make_searcher, one_look_reason, pack_result
 from mbtune.search._signals import graceful_stop
+from mbtune.search._study import fail_interrupted, record_attrs
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.trial.trial import TrialRequest
 
@@ -182,6 +183,7 @@ def _fit(
              f"for {exp.ray.resource_wait_s:g} s; stopping the search")  # fmt: skip
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for a Ctrl-C
 
+    fail_interrupted(run.optuna_url)  # a trial a killed driver left running in the study
     with (
         graceful_stop() as interrupted,
         watch_head(cluster, lost),
@@ -189,6 +191,7 @@ def _fit(
         progress.shown(finished=len(run.records())),
     ):
         tuner.fit()
+    fail_interrupted(run.optuna_url)  # one in flight when the search was stopped
     records, history = run.records(), run.recommendations()
     target = exp.search.confidence_target
     last = history[-1] if history else None
@@ -299,7 +302,8 @@ def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -
         speed = float(record.samples_per_s or 0.0) if record.status == "ok" else 0.0
         if exp.search.objective == "samples_per_s_per_device":
             speed /= config.num_devices
-        searcher.tell(config, speed)
+        earlier_trial = f"warm start: {earlier.path.name}, trial {record.trial}"
+        searcher.tell(config, speed, attrs={**record_attrs(record), "trial": earlier_trial})
         told += 1
     return told
 

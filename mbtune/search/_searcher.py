@@ -16,7 +16,7 @@ import json
 import pickle
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from mbtune.search._proposers import (
     OptunaSpace,
     first_guess,
 )
+from mbtune.search._study import record_attrs
 
 __all__ = [
     "MbtuneSearcher",
@@ -245,9 +246,9 @@ class MbtuneSearcher(Searcher):
         ran = self.key(record.config) if "micro_batch_size" in result else point
         self._observe(trial_id, point, ran, record, value)
         if inner_id is not None:
-            self.inner.on_trial_complete(inner_id, {METRIC: value})
+            self.inner.on_trial_complete(inner_id, {METRIC: value, **record_attrs(record)})
         else:  # a start point or another look: the proposer did not ask for it
-            self.tell(point, value, measured=True)
+            self.tell(point, value, measured=True, attrs=record_attrs(record))
 
     # -- what the search model says -------------------------------------------
 
@@ -298,9 +299,10 @@ class MbtuneSearcher(Searcher):
                 return params
             point = self.key(BatchConfig.from_mapping(params))
             if point in self.measured:
-                self.inner.on_trial_complete(inner_id, {METRIC: self.measured[point]})
-            elif point in self.busy():
-                self.inner.on_trial_complete(inner_id, None, error=True)
+                cached = {METRIC: self.measured[point], "status": "cached"}
+                self.inner.on_trial_complete(inner_id, cached)
+            elif point in self.busy():  # being measured by another trial
+                self.inner.on_trial_complete(inner_id, {"status": "duplicate"}, error=True)
             else:
                 return self._start(trial_id, point, inner_id=inner_id)
         return Searcher.FINISHED
@@ -328,13 +330,21 @@ class MbtuneSearcher(Searcher):
 
     # -- results it did not ask for -------------------------------------------
 
-    def tell(self, config: BatchConfig, value: float, *, measured: bool = False) -> None:
+    def tell(
+        self,
+        config: BatchConfig,
+        value: float,
+        *,
+        measured: bool = False,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
         """Teach the proposer a result (a start point, another look, a warm start);
-        ``measured``: this search measured it. The search model has this search's own
-        trials already and learns a warm start's; each inner proposer says what it learns."""
+        ``measured``: this search measured it; ``attrs``: what Optuna's study shows of it.
+        The search model has this search's own trials already and learns a warm start's;
+        each inner proposer says what it learns."""
         config = config.canonical()
         if self.inner is not None:
-            self.inner.tell(config, value, measured=measured)
+            self.inner.tell(config, value, measured=measured, attrs=attrs)
         elif not measured:
             status = "ok" if value > 0 else "error"
             self.taught.append(Observation(config, status, value if value > 0 else None))
@@ -390,9 +400,9 @@ class MbtuneSearcher(Searcher):
             _, inner_id = self.running.pop(record.trial_id or "", (None, None))
             self._observe(record.trial_id or "", config, config, record, value)
             if inner_id is not None:
-                self.inner.on_trial_complete(inner_id, {METRIC: value})
+                self.inner.on_trial_complete(inner_id, {METRIC: value, **record_attrs(record)})
             else:
-                self.tell(config, value, measured=True)
+                self.tell(config, value, measured=True, attrs=record_attrs(record))
         if self.announce:
             self.announce(resume_line(len(self.finished_ids), len(self.running)))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import statistics
 import time
@@ -36,7 +37,7 @@ from typing import Any
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, even_split
-from mbtune.models.batch import batch_tensors, num_samples, split_batch
+from mbtune.models.batch import batch_tensors, num_samples, slice_batch, split_batch
 from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import Collectives
@@ -45,13 +46,16 @@ from mbtune.trial.precision import for_device
 
 __all__ = [
     "Measurement",
+    "StepLoss",
     "accumulate_gradients",
     "build_spec",
     "device_timer",
     "full_batch_if_mixing",
     "gradient_bytes",
+    "mean_loss",
     "measure",
     "no_phase",
+    "rank_batch",
     "rank_micro_batches",
     "resolve_device",
     "synced_step",
@@ -104,6 +108,10 @@ class Measurement:
     tokens_per_sample: int | None = None
     compile_fallback: str | None = None
     """Why compilation silently fell back to eager (recompile limit), if it did."""
+    loss: float | None = None
+    """The mean loss of the last timed step (before its optimizer step): over the global
+    batch with ddp (all-reduced over the ranks), over the one device's samples otherwise;
+    None where no step was timed or the loss was not finite (then ``error``)."""
 
 
 def measure(
@@ -161,10 +169,9 @@ def _timed_steps(
     sizes = rank_micro_batches(config, group.rank)
     failure = None
     try:
-        torch.manual_seed(exp.search.seed + group.rank)  # each rank its own samples
         module = group.place(spec.module, device)  # sharded: this rank's shard only
         module.train()
-        batches = split_batch(spec.make_batch(sum(sizes), device), sizes)
+        batches = split_batch(rank_batch(spec, config, group, device, seed=exp.search.seed), sizes)
         if tr.compile and tr.dynamic:
             _mark_batch_dynamic(batches)
         # counted once, eagerly, before compiling and outside the timing (sharded: below,
@@ -182,10 +189,11 @@ def _timed_steps(
     if group.sharded:  # its blocks compiled one by one as it was placed
         flops_per_sample = count_flops_per_sample(spec.loss_fn, module, batches[0], sizes[0])
     model = _compile(wrapped, tr) if tr.compile and not group.sharded else wrapped
-    loss_fn = precision.loss(spec.loss_fn)
     # each micro-batch's mean loss is weighted by its share of the process's samples; DDP
     # averages over the ranks, so there a share is of B / n (uneven ranks included)
     total = sum(sizes) if group.world_size == 1 else config.batch_size / group.world_size
+    step_loss = StepLoss(spec.loss_fn, total=total)  # unscaled: inside fp16's scaler
+    loss_fn = precision.loss(step_loss)
 
     def local_step(zero_grads: bool = False) -> None:
         if group.sharded:  # FSDP communicates in every pass: no step is local
@@ -225,6 +233,7 @@ def _timed_steps(
 
         # 3. warm-up and timed steps; with ddp each started on every rank together
         steps: list[float] = []
+        last_loss = None
         retries_before = None
         for i in range(tr.warmup_steps + tr.measure_steps):
             verdict = None if group.simulated else group.agree(None, over())
@@ -237,7 +246,9 @@ def _timed_steps(
             if i == tr.warmup_steps:
                 retries_before = memory.alloc_retries(torch, device)
             phase("timing", i + 1 - tr.warmup_steps, tr.measure_steps)
+            step_loss.reset()
             steps.append(timed(step))
+            last_loss = step_loss.value
         retries = memory.alloc_retries(torch, device)
         if retries is not None and retries_before is not None:
             retries -= retries_before
@@ -269,6 +280,11 @@ def _timed_steps(
             group.agree(None)  # a barrier: every rank starts the all-reduce together
             comm.append(timed(lambda: group.sync_gradients(flat)))
 
+    loss = mean_loss(last_loss, group)
+    if verdict is None and loss is not None and not math.isfinite(loss):
+        verdict = ("error", f"non-finite loss: {loss} in the last timed step (fp16 overflow "
+                   "or a broken model)")  # fmt: skip
+
     # every figure is the slowest rank's (one collective for all of them)
     reserved = memory.peak_reserved(torch, device)
     n, m, c = len(steps), len(compute), len(comm)
@@ -289,6 +305,7 @@ def _timed_steps(
         alloc_retries=None if retries is None else int(slowest[-1]),
         flops_per_sample=flops_per_sample,
         compile_fallback=fallback.reason,
+        loss=loss if loss is not None and math.isfinite(loss) else None,
     )
 
 
@@ -336,6 +353,64 @@ def rank_micro_batches(config: BatchConfig, rank: int) -> list[int]:
     share has fewer samples than g). Rank 0 has the busiest device's: P in g micro-batches."""
     share = config.device_batch_sizes[rank]
     return even_split(share, min(config.grad_accum_steps, share))
+
+
+def rank_batch(
+    spec: Any, config: BatchConfig, group: Collectives, device: Any, *, seed: int
+) -> Any:
+    """This process's samples of a step, drawn under ``seed``. One process draws its P
+    samples (with n = 1 the global batch); a rank of several draws the whole global batch of
+    B and keeps its own rows (the even split, rank 0's first), so that a step sees the same
+    B samples however many ranks share them: the loss of one seed and B is the same with 1
+    process and with n. The rows are copied, and the rest freed before anything is timed."""
+    import torch
+
+    torch.manual_seed(seed)
+    if group.world_size == 1:
+        return spec.make_batch(sum(rank_micro_batches(config, group.rank)), device)
+    shares = config.device_batch_sizes
+    start = sum(shares[: group.rank])
+    mine = slice_batch(
+        spec.make_batch(config.batch_size, device), start, start + shares[group.rank]
+    )
+    for t in batch_tensors(mine):
+        t.set_(t.clone())  # storage of its own: the global batch is freed with this frame
+    return mine
+
+
+class StepLoss:
+    """A loss function that also adds up one step's loss as its micro-batches' weighted
+    means (each by its share of ``total``, as the gradients are): detached and on the
+    device, so no step waits for it. Wrapped by the precision's scaler, it sees the loss
+    unscaled."""
+
+    def __init__(self, loss_fn: Callable, *, total: float) -> None:
+        self.loss_fn, self.total = loss_fn, total
+        self.value: Any = None
+        """The step's loss so far: a tensor, or None before its first micro-batch."""
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        loss = self.loss_fn(model, batch)
+        share = loss.detach().float() * (num_samples(batch) / self.total)
+        self.value = share if self.value is None else self.value + share
+        return loss
+
+    def reset(self) -> None:
+        self.value = None
+
+
+def mean_loss(step_loss: Any, group: Collectives) -> float | None:
+    """A step's mean loss over every process's samples: this process's weighted sum (a
+    :class:`StepLoss`'s value) summed over the ranks and divided by their number (with ddp
+    each rank's shares are of B / n, so this is the global batch's mean). Every rank calls
+    it (a collective); None where no step was timed."""
+    import torch
+
+    if step_loss is None:
+        return None
+    value = step_loss.detach().to(torch.float64).reshape(1)
+    group.all_reduce(value)
+    return value.item() / group.world_size
 
 
 def accumulate_gradients(

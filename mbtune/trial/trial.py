@@ -110,6 +110,11 @@ class TrialResult:
     """CUDA: times the allocator freed its cache and retried during the timed steps."""
     eval_samples_per_s: float | None = None
     """Forward-only throughput at the same micro-batch size (``trial.eval``)."""
+    loss: float | None = None
+    """The mean loss of the last timed step: over the global batch with ``ddp`` (every
+    rank's, all-reduced), over the busiest device's samples with ``simulate``; None where
+    nothing was timed, the loss was not finite (the trial is then ``error``) or the trial
+    was replayed."""
     micro_batch_sizes_tried: tuple[int, ...] = ()
     """Every micro-batch size tried, in order (more than one after halving on OOM)."""
     device: str = "cpu"
@@ -247,6 +252,7 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
         reason=measured.reason,
         precision=measured.precision,
         peak_memory_bytes=measured.peak_memory_bytes,
+        loss=measured.loss,
     )
     if not measured.step_s:
         return base

@@ -1,0 +1,178 @@
+"""Memory before measuring: `mbtune memory` against measured peaks, and what predicting costs.
+
+Method. Accuracy: for each configuration below (none of them used to build or tune the
+prediction: its only measured inputs are the process baselines, from a gpt of 28 thousand
+parameters, and the library probe it runs itself), `mbtune memory EXP --json` in a fresh
+process, then `mbtune trial EXP --json` on 2 gloo workers (`trial.parallel: ddp`, Ray
+Train, the CPU): the measured peak is each worker's high-water mark (the largest of the
+two), the predicted one rank 0's. Ratio = predicted / measured; the target is within
+15%. Cost: `mbtune memory` for a 7B Llama (`hf:llama`, LlamaConfig's defaults: 6.7B
+parameters, seq_len 128) at N = 64 on `trial.device: cuda`, sharded, bf16 (auto on a
+card), on this CPU-only machine: the command's wall time and its peak resident set
+(ru_maxrss of the child); the target is under two minutes and under 4 GB.
+`--baseline` measures the process baselines again (the peak of a trial of the tiny gpt:
+one process, and 2 gloo workers; eager and compiled), which mbtune.trial.predict's
+CPU_PROCESS_BASELINE_BYTES and CPU_COMPILE_BYTES hold.
+
+Run: `.venv/bin/python bench/memory_prediction.py [--baseline] [--quick]` (`--quick`:
+the 7B cost alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _common import MBTUNE, ROOT, machine, save, table
+
+MIB = 2**20
+
+_TRIAL = {"device": "cpu", "precision": "fp32", "compile": False, "warmup_steps": 1,
+          "measure_steps": 2, "timeout_s": 400, "parallel": "ddp"}  # fmt: skip
+_GPT = {"name": "gpt", "n_layer": 6, "d_model": 512, "n_head": 8, "seq_len": 128,
+        "vocab_size": 4096}  # fmt: skip
+_LLAMA = {"name": "hf:llama", "num_hidden_layers": 3, "hidden_size": 384,
+          "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 2,
+          "vocab_size": 6000, "seq_len": 96}  # fmt: skip
+_GPT2 = {"name": "hf:gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8000,
+         "seq_len": 128}  # fmt: skip
+
+CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any], tuple[int, int, int]]] = [
+    ("gpt, whole", _GPT, {"sharding": "none"}, (8, 2, 2)),
+    ("gpt, fsdp", _GPT, {"sharding": "fsdp"}, (8, 2, 2)),
+    ("gpt, fsdp, ckpt", _GPT, {"sharding": "fsdp", "activation_checkpointing": True},
+     (16, 2, 8)),
+    ("hf:llama, fsdp", _LLAMA, {"sharding": "fsdp"}, (8, 2, 4)),
+    ("hf:llama, whole", _LLAMA, {"sharding": "none"}, (8, 2, 4)),
+    ("hf:gpt2, fsdp", _GPT2, {"sharding": "fsdp"}, (4, 2, 1)),
+    ("gpt, fsdp, compiled", _GPT, {"sharding": "fsdp", "compile": True}, (8, 2, 4)),
+    ("gpt, whole, compiled", _GPT, {"sharding": "none", "compile": True}, (8, 2, 4)),
+]  # fmt: skip
+"""(label, model, trial keys, (B, n, m)): configurations the prediction was not tuned on."""
+
+LLAMA_7B = {
+    "name": "llama-7b",
+    "model": {"name": "hf:llama"},
+    "train_input": {"batch_size": 64, "micro_batch_size": 1, "num_devices": 64},
+    "trial": {"device": "cuda", "parallel": "ddp", "sharding": "fsdp", "compile": False},
+    "ray": {"gpus_per_trial": 1},
+}
+
+
+def experiment(model: dict[str, Any], trial: dict[str, Any], sizes: tuple[int, int, int]):
+    b, n, m = sizes
+    return {
+        "name": "memory-prediction",
+        "model": model,
+        "train_input": {"batch_size": b, "num_devices": n, "micro_batch_size": m},
+        "trial": {**_TRIAL, **trial},
+    }
+
+
+def mbtune(command: str, path: Path, cwd: str) -> tuple[dict[str, Any], float, int]:
+    """`mbtune COMMAND PATH --json` in a fresh process: its JSON, wall time and peak RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [str(MBTUNE), command, str(path), "--json"], cwd=cwd, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        why = proc.stderr[-2000:]
+        raise SystemExit(f"mbtune {command} {path} exited {proc.returncode}:\n{why}")
+    # ru_maxrss of the children is the largest child so far: only a new maximum is this one's
+    return json.loads(lines[-1]), wall, rss if rss > before * 1024 else -1
+
+
+def accuracy(cwd: str) -> list[dict[str, Any]]:
+    rows = []
+    for label, model, trial, sizes in CONFIGS:
+        path = Path(cwd) / f"{len(rows)}.yaml"
+        path.write_text(yaml.safe_dump(experiment(model, trial, sizes)))
+        predicted, predict_s, _ = mbtune("memory", path, cwd)
+        measured, _, _ = mbtune("trial", path, cwd)
+        if measured["status"] != "ok":
+            raise SystemExit(f"{label}: {measured['status']}: {measured['reason']}")
+        row = {
+            "label": label,
+            "batch_size": sizes[0], "num_devices": sizes[1], "micro_batch_size": sizes[2],
+            "num_parameters": predicted["num_parameters"],
+            "predicted_bytes": predicted["peak_memory_bytes"],
+            "measured_bytes": measured["peak_memory_bytes"],
+            "parts": predicted["parts"],
+            "predict_s": predict_s,
+        }  # fmt: skip
+        row["ratio"] = row["predicted_bytes"] / row["measured_bytes"]
+        rows.append(row)
+        predicted_mib, measured_mib = row["predicted_bytes"] / MIB, row["measured_bytes"] / MIB
+        print(f"{label}: predicted {predicted_mib:,.0f} MiB, measured {measured_mib:,.0f} MiB, "
+              f"ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
+    return rows
+
+
+def cost(cwd: str) -> dict[str, Any]:
+    path = Path(cwd) / "llama-7b.yaml"
+    path.write_text(yaml.safe_dump(LLAMA_7B))
+    predicted, wall, rss = mbtune("memory", path, cwd)
+    return {"prediction": predicted, "wall_s": wall, "max_rss_bytes": rss}
+
+
+def baseline(cwd: str) -> dict[str, int]:
+    tiny = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
+            "vocab_size": 64}  # fmt: skip
+    peaks = {}
+    for parallel in ("simulate", "ddp"):
+        for compile in (False, True):
+            key = f"{parallel}{', compiled' if compile else ''}"
+            path = Path(cwd) / f"tiny-{parallel}-{compile}.yaml"
+            trial = {"parallel": parallel, "compile": compile}
+            path.write_text(yaml.safe_dump(experiment(tiny, trial, (4, 2, 2))))
+            measured, _, _ = mbtune("trial", path, cwd)
+            peaks[key] = measured["peak_memory_bytes"]
+            print(f"baseline {key}: {peaks[key] / MIB:.1f} MiB", flush=True)
+    return peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", action="store_true", help="measure the baselines too")
+    parser.add_argument("--quick", action="store_true", help="the 7B cost alone")
+    args = parser.parse_args()
+    info = machine()
+    data: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as cwd:
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        if args.baseline:
+            data["baseline_bytes"] = baseline(cwd)
+        data["cost_7b"] = c = cost(cwd)
+        p = c["prediction"]
+        peak_mib, rss_mib = p["peak_memory_bytes"] / MIB, c["max_rss_bytes"] / MIB
+        print(f"7B Llama, N=64, {p['device']}, {p['sharding']}, {p['precision']}: "
+              f"{p['num_parameters']:,} parameters, predicted {peak_mib:,.0f} MiB in "
+              f"{c['wall_s']:.1f} s, max RSS {rss_mib:,.0f} MiB", flush=True)  # fmt: skip
+        if not args.quick:
+            data["accuracy"] = rows = accuracy(cwd)
+            print()
+            print(table(
+                ["configuration", "B", "n", "m", "parameters", "predicted MiB", "measured MiB",
+                 "ratio", "predict s"],
+                [[r["label"], r["batch_size"], r["num_devices"], r["micro_batch_size"],
+                  f"{r['num_parameters']:,}", r["predicted_bytes"] / MIB,
+                  r["measured_bytes"] / MIB, r["ratio"], r["predict_s"]] for r in rows],
+            ))  # fmt: skip
+    print(f"\nwrote {save('memory_prediction', info, data).relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

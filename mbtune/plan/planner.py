@@ -1,0 +1,442 @@
+"""The plan of the real run: for each planned device count the best configuration at that
+size, its samples/s, hours, device-hours and cost, each with a 90% interval; then the
+fastest, the cheapest, and the cheapest within ``plan.max_slowdown`` of the fastest.
+
+hours = samples / samples_per_s / 3600 (samples: ``plan.samples``, ``plan.tokens`` over
+the tokens of one sample, or ``plan.steps`` x the configuration's batch_size),
+device_hours = hours x devices, cost = device_hours x ``plan.price_per_device_hour``. The
+three follow from samples/s by monotone maps, so each interval is samples/s's, mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from mbtune.config.experiment import Experiment
+from mbtune.config.load import load_experiment
+from mbtune.config.rules import ConfigError
+from mbtune.config.schema import PlanConfig
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, measurements
+from mbtune.plan.nccl import read_nccl_tests
+from mbtune.runs.record import TrialRecord
+from mbtune.runs.rundir import RunDir, read_trials
+
+__all__ = [
+    "LEVEL",
+    "Interval",
+    "Plan",
+    "PlanRow",
+    "make_plan",
+    "plan_lines",
+    "plan_run",
+]
+
+LEVEL = 0.90
+"""The intervals' coverage: the 5th to the 95th percentile of the draws."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate and its 90% interval (``low <= value <= high``)."""
+
+    value: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, draws: np.ndarray) -> Interval:
+        """Draw 0 as the value, the others' 5th to 95th percentiles as the interval
+        (widened to hold the value where the draws lie all to one side of it)."""
+        value = float(draws[0])
+        rest = draws[1:] if draws.size > 1 else draws
+        tail = (1 - LEVEL) / 2 * 100
+        low, high = np.percentile(rest, [tail, 100 - tail])
+        return cls(value, min(float(low), value), max(float(high), value))
+
+    def times(self, factor: float) -> Interval:
+        return Interval(self.value * factor, self.low * factor, self.high * factor)
+
+    def into(self, amount: float) -> Interval:
+        """``amount / self``: the interval of a time from that of a rate."""
+        return Interval(amount / self.value, amount / self.high, amount / self.low)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"value": self.value, "low": self.low, "high": self.high}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    """The best configuration at one planned device count."""
+
+    config: BatchConfig
+    samples: float
+    """Samples the real run trains on with this configuration."""
+    samples_per_s: Interval
+    hours: Interval
+    device_hours: Interval
+    cost: Interval | None
+    """None: the plan has no price."""
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "num_devices": c.num_devices,
+            "batch_size": c.batch_size,
+            "micro_batch_size": c.micro_batch_size,
+            "activation_checkpointing": c.activation_checkpointing,
+            "samples_per_s": self.samples_per_s.as_dict(),
+            "hours": self.hours.as_dict(),
+            "device_hours": self.device_hours.as_dict(),
+            "cost": self.cost.as_dict() if self.cost is not None else None,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The plan: its rows, the three picks, and what it rests on."""
+
+    rows: tuple[PlanRow, ...]
+    fastest: PlanRow
+    cheapest: PlanRow
+    """The least cost (the fewest device-hours without a price)."""
+    cheapest_within: PlanRow
+    """The cheapest whose hours are within ``max_slowdown`` of the fastest's."""
+    plan: PlanConfig
+    skipped: tuple[tuple[int, str], ...]
+    """Planned device counts without a configuration, and why."""
+    link_basis: str
+    """What the link model rests on, in words."""
+    trials: int
+    """The measured trials the fit used."""
+    device_counts: tuple[int, ...]
+    """The device counts the run measured."""
+    grad_bytes: int
+
+    def as_frame(self) -> pd.DataFrame:
+        """The rows as pandas: one per planned device count, its configuration, and each of
+        samples_per_s, hours, device_hours, cost as three columns (``_low``, ``_high``)."""
+        records = []
+        for row in self.rows:
+            flat = {k: v for k, v in row.as_dict().items() if not isinstance(v, dict | None)}
+            for key in ("samples_per_s", "hours", "device_hours", "cost"):
+                interval = getattr(row, key)
+                for part in ("value", "low", "high"):
+                    name = key if part == "value" else f"{key}_{part}"
+                    flat[name] = getattr(interval, part) if interval is not None else None
+            records.append(flat)
+        return pd.DataFrame.from_records(records)
+
+    def as_json(self) -> dict[str, Any]:
+        """``mbtune plan --json``: the rows and the three picks."""
+        return {
+            "rows": [r.as_dict() for r in self.rows],
+            "fastest": self.fastest.as_dict(),
+            "cheapest": self.cheapest.as_dict(),
+            "cheapest_within": self.cheapest_within.as_dict(),
+        }
+
+
+# ---------------------------------------------------------------------------
+# from a run directory
+
+
+def plan_run(
+    run_dir: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    grad_bytes: int | None = None,
+    draws: int = DRAWS,
+) -> Plan:
+    """The plan of a run directory, its experiment's plan section with ``--set``
+    ``overrides``; ``grad_bytes`` None: counted from the model on the meta device."""
+    for item in overrides:
+        if not item.startswith("plan."):
+            raise ConfigError(
+                "--set",
+                f"mbtune plan sets the plan's keys only (plan.KEY=VALUE), got {item!r}: the "
+                "run's trials were measured with its own experiment",
+            )
+    overrides = [_from_here(item) for item in overrides]
+    run = RunDir.open(run_dir)
+    experiment = load_experiment(run.experiment_file, overrides)
+    if experiment.plan is None:
+        raise ConfigError(
+            "plan",
+            "the run's experiment has no plan section; give one with --set, e.g. "
+            "--set plan.samples=1e9 --set plan.num_devices=[8,64,256] (docs/plan.md)",
+        )
+    records = read_trials(run.trials_file).records
+    if not any(r.status == "ok" and r.samples_per_s for r in records):
+        raise MbtuneError(
+            f"RUN_DIR: {run.path} has no measured trial (status ok) to plan from; "
+            "run or resume the search first"
+        )
+    if grad_bytes is None:
+        from mbtune.plan.model_bytes import gradient_bytes  # imports torch
+
+        grad_bytes = gradient_bytes(experiment.model)
+    return make_plan(experiment, records, grad_bytes=grad_bytes, draws=draws)
+
+
+def _from_here(item: str) -> str:
+    """``plan.nccl_tests=PATH`` with PATH made absolute from the current directory: the
+    command line's paths are the user's, not the run directory's (where the experiment
+    file, which relative paths follow, lives)."""
+    key, _, value = item.partition("=")
+    if key != "plan.nccl_tests" or not value.strip():
+        return item
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return item  # the loader reports it
+    items = [parsed] if isinstance(parsed, str) else parsed
+    if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
+        return item
+    return f"{key}={json.dumps([str(Path(p).absolute()) for p in items])}"
+
+
+# ---------------------------------------------------------------------------
+# the plan
+
+
+def make_plan(
+    experiment: Experiment,
+    records: Sequence[TrialRecord],
+    *,
+    grad_bytes: int,
+    draws: int = DRAWS,
+    seed: int = 0,
+) -> Plan:
+    """Fit the step model to ``records`` and plan ``experiment.plan`` with it."""
+    plan = experiment.plan
+    if plan is None:
+        raise ConfigError("plan", "the experiment has no plan section")
+    found = measurements(records, experiment.noise_floor)
+    (intra, inter), sources = _links(plan)
+    model = fit_step_model(
+        found,
+        grad_bytes=grad_bytes,
+        per_node=plan.devices_per_node,
+        intra_prior=intra,
+        inter_prior=inter,
+        draws=draws,
+        seed=seed,
+    )
+    per_sample = _tokens_per_sample(records) if plan.tokens is not None else None
+    rows, skipped = [], []
+    for n in plan.num_devices:
+        candidates = [c for c in _configs_at(experiment, n) if model.feasible(c)]
+        if not candidates:
+            skipped.append((n, _why_none(experiment, model, n)))
+            continue
+        rows.append(_best_row(model, candidates, plan, per_sample))
+    if not rows:
+        _, why = skipped[0]
+        raise ConfigError("plan.num_devices", f"no planned device count has a configuration: {why}")
+    fastest = min(rows, key=lambda r: r.hours.value)
+    cheapest = min(rows, key=lambda r: (r.device_hours.value, r.hours.value))
+    bound = fastest.hours.value * (1 + plan.max_slowdown)
+    within = [r for r in rows if r.hours.value <= bound * (1 + 1e-12)]
+    return Plan(
+        rows=tuple(rows),
+        fastest=fastest,
+        cheapest=cheapest,
+        cheapest_within=min(within, key=lambda r: (r.device_hours.value, r.hours.value)),
+        plan=plan,
+        skipped=tuple(skipped),
+        link_basis=model.link_basis + "".join(f"; {source}" for source in sources),
+        trials=len(found),
+        device_counts=model.device_counts,
+        grad_bytes=grad_bytes,
+    )
+
+
+MEASURED_UNCERTAINTY = 0.1
+"""The uncertainty of a tier read from nccl-tests, where the tier sets none: the spread
+of one cluster's all-reduce over runs and days, smaller than the defaults' 0.3 spread
+between clusters."""
+
+
+def _links(plan: PlanConfig) -> tuple[tuple[tuple[float, float, float], ...], list[str]]:
+    """The two tiers (bytes/s, latency s, uncertainty): a tier's own keys, else what an
+    nccl-tests output says of it, else the defaults; and the sentences naming the files."""
+    intra, inter = plan.links()
+    tiers = {"intra_node": intra, "inter_node": inter}
+    read: dict[str, Path] = {}
+    sources = []
+    for path in plan.nccl_tests:
+        found = read_nccl_tests(path)
+        if found.tier in read:
+            raise ConfigError(
+                "plan.nccl_tests",
+                f"{read[found.tier].name} and {path.name} both measured the {found.tier} "
+                "tier; give one output per tier (one node, and several)",
+            )
+        read[found.tier] = path
+        own = getattr(plan, found.tier)
+        tiers[found.tier] = (
+            float(own.bandwidth) if own.bandwidth is not None else found.bandwidth,
+            own.latency_us / 1e6 if own.latency_us is not None else found.latency_s,
+            own.uncertainty if own.uncertainty is not None else MEASURED_UNCERTAINTY,
+        )
+        sources.append(
+            f"plan.{found.tier} from nccl-tests {path.name} ({found.ranks} ranks on "
+            f"{found.hosts} host{'s' * (found.hosts > 1)}: {found.bandwidth / 1e9:,.1f} GB/s, "
+            f"{found.latency_s * 1e6:,.1f} us a hop)"
+        )
+    return (tiers["intra_node"], tiers["inter_node"]), sources
+
+
+def _configs_at(experiment: Experiment, n: int) -> list[BatchConfig]:
+    """The configurations the experiment's space holds at n devices (its batch sizes and
+    micro-batch sizes, its checkpointing settings); none where it holds none."""
+    search = experiment.search
+    space = dataclasses.replace(search.space, num_devices=(n,))
+    try:
+        at_n = dataclasses.replace(
+            experiment,
+            search=dataclasses.replace(search, space=space, start_points=()),
+            plan=None,
+        )
+    except MbtuneError:
+        return []
+    return at_n.configs()
+
+
+def _why_none(experiment: Experiment, model: StepModel, n: int) -> str:
+    if not _configs_at(experiment, n):
+        return (
+            f"the search space holds no configuration at {n} devices: its batch_size "
+            f"cannot be split over {n}"
+        )
+    sizes = ", ".join(f"{m}" for m in sorted(set(model.largest_micro_batch.values())))
+    return (
+        f"every configuration at {n} devices needs a micro-batch larger than the largest "
+        f"that ran ({sizes}) or a checkpointing setting the run did not measure"
+    )
+
+
+def _best_row(
+    model: StepModel,
+    candidates: list[BatchConfig],
+    plan: PlanConfig,
+    per_sample: float | None,
+) -> PlanRow:
+    """The candidate with the fewest predicted hours (draw 0), with its intervals."""
+
+    def samples_of(c: BatchConfig) -> float:
+        if plan.steps is not None:
+            return float(plan.steps * c.batch_size)
+        if plan.tokens is not None:
+            return plan.tokens / per_sample  # type: ignore[operator]
+        return float(plan.samples)  # type: ignore[arg-type]
+
+    # point estimates first (draw 0 is cheap to read off every draw's array)
+    best = min(candidates, key=lambda c: samples_of(c) * float(model.step_s(c)[0]) / c.batch_size)
+    speed = Interval.of(best.batch_size / model.step_s(best))
+    samples = samples_of(best)
+    hours = speed.into(samples / 3600)
+    device_hours = hours.times(best.num_devices)
+    price = plan.price_per_device_hour
+    return PlanRow(
+        config=best,
+        samples=samples,
+        samples_per_s=speed,
+        hours=hours,
+        device_hours=device_hours,
+        cost=device_hours.times(price) if price is not None else None,
+    )
+
+
+def _tokens_per_sample(records: Sequence[TrialRecord]) -> float:
+    ratios = [
+        r.tokens_per_s / r.samples_per_s
+        for r in records
+        if r.status == "ok" and r.tokens_per_s and r.samples_per_s
+    ]
+    if not ratios:
+        raise ConfigError(
+            "plan.tokens",
+            "the run's trials counted no tokens (its model has no seq_len); give "
+            "plan.samples or plan.steps",
+        )
+    return statistics.median(ratios)
+
+
+# ---------------------------------------------------------------------------
+# in words
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The plan as ``mbtune plan`` and the end of ``mbtune run`` print it."""
+    p = plan.plan
+    amount = (
+        f"{p.samples:,.4g} samples" if p.samples is not None
+        else f"{p.tokens:,.4g} tokens" if p.tokens is not None
+        else f"{p.steps:,} steps"
+    )  # fmt: skip
+    counts = ", ".join(map(str, plan.device_counts))
+    lines = [
+        f"plan: {amount} on {', '.join(map(str, p.num_devices))} devices, from "
+        f"{plan.trials} measured trials at {counts} devices "
+        f"({plan.grad_bytes / 1e6:,.1f} MB of gradients a step); 90% intervals",
+        f"  {plan.link_basis}",
+        f"  {'devices':>7}  {'batch':>6}  {'micro':>5}  {'ckpt':>4}  "
+        f"{'samples/s':>28}  {'hours':>26}  {'device-hours':>30}  "
+        + (f"{'cost':>30}" if p.price_per_device_hour is not None else ""),
+    ]
+    for row in plan.rows:
+        c = row.config
+        lines.append(
+            f"  {c.num_devices:>7}  {c.batch_size:>6}  {c.micro_batch_size:>5}  "
+            f"{'yes' if c.activation_checkpointing else 'no':>4}  "
+            f"{_interval(row.samples_per_s):>28}  {_interval(row.hours):>26}  "
+            f"{_interval(row.device_hours):>30}  "
+            + (f"{_interval(row.cost):>30}" if row.cost is not None else "")
+        )
+    for n, why in plan.skipped:
+        lines.append(f"  {n:>7}  no plan: {why}")
+    lines.append(f"  fastest: {_pick(plan.fastest)}")
+    lines.append(f"  cheapest: {_pick(plan.cheapest)}")
+    lines.append(
+        f"  cheapest within {p.max_slowdown:.0%} of the fastest: {_pick(plan.cheapest_within)}"
+    )
+    return [line.rstrip() for line in lines]
+
+
+def _interval(i: Interval) -> str:
+    return f"{_num(i.value)} ({_num(i.low)} to {_num(i.high)})"
+
+
+def _num(x: float) -> str:
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    digits = max(0, 2 - int(math.floor(math.log10(abs(x)))))
+    return f"{x:,.{digits}f}"
+
+
+def _pick(row: PlanRow) -> str:
+    c = row.config
+    devices = f"{c.num_devices} device{'s' * (c.num_devices != 1)}"
+    text = (
+        f"{devices}, batch_size {c.batch_size}, micro_batch_size {c.micro_batch_size}"
+        f"{', activation checkpointing' if c.activation_checkpointing else ''}"
+        f": {_num(row.hours.value)} hours ({_num(row.hours.low)} to {_num(row.hours.high)}), "
+        f"{_num(row.device_hours.value)} device-hours"
+    )
+    if row.cost is not None:
+        text += f", cost {_num(row.cost.value)} ({_num(row.cost.low)} to {_num(row.cost.high)})"
+    return text

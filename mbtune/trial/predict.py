@@ -1,0 +1,450 @@
+"""Memory before measuring: one device's peak for a configuration, predicted without
+allocating the model and without the device (``mbtune memory``).
+
+How. The model is built on torch's meta device (no memory, as a sharded trial builds it),
+and rank 0 of the configuration's N devices takes two steps of the trial protocol
+(mbtune.trial.measure: the same micro-batches, the same loss weighting, AdamW, the
+precision's autocast, activation checkpointing where the configuration has it) on *fake*
+tensors: ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) gives every tensor its
+shape, dtype and size and no storage. With ``trial.sharding: fsdp`` the model is cut with
+the trial's own units and FSDP2 ``fully_shard`` over a process group of N ranks made with
+torch's ``fake`` backend, which does no communication: it is public in torch 2.13
+(``torch.distributed.Backend.FAKE``, registered by ``import torch.distributed``; older
+versions registered it only from ``torch.testing._internal``). The bytes are counted by
+torch's memory trackers, ``FSDPMemTracker`` (sharding: fsdp) and ``MemTracker`` (none),
+from ``torch.distributed._tools``: a private package, but the only tools that follow
+every tensor of a step by the part it belongs to (parameters, gradients, optimizer state,
+activations, FSDP's all-gather and reduce-scatter buffers), as torchtitan's memory
+estimation uses them; the alternative, a hand count per model, is what mbtune avoids
+(docs/STYLE: no formulas per model). A private path changed by torch raises one line.
+
+What is modelled beyond the trackers, and why:
+
+- ``parallel: ddp`` without sharding on N > 1 devices: DDP's gradient buckets, one more
+  copy of the gradients (``gradient_as_bucket_view`` is off), as collective buffers.
+- The process's own memory. A CUDA trial's peak is the allocator's
+  (``max_memory_allocated``): no baseline. A CPU trial's peak is the process's
+  high-water mark, libtorch, Python and (ddp) Ray's worker included: the prediction adds
+  :data:`CPU_PROCESS_BASELINE_BYTES` of the trial's ``parallel``, figures measured, not
+  fitted: the peak of a trial of a gpt of 28 thousand parameters (its step under 1 MiB),
+  one process (``simulate``) and each of 2 gloo workers (``ddp``), on this repository's
+  torch 2.13 and Ray (``bench/memory_prediction.py --baseline`` measures them again). A
+  model whose code is not mbtune's (``hf:``, a user model) brings its library along
+  (transformers' Llama: 133 MiB): what building it adds to a process that has torch is
+  measured, in a fresh process (this one may have imported it long ago), and added. So
+  is ``trial.compile``'s own (dynamo, inductor, the compiled kernels loaded):
+  :data:`CPU_COMPILE_BYTES`, the same tiny trial's peak compiled less eager.
+- A device that is not here: ``trial.device: cuda`` (or ``auto`` where torch sees a CUDA
+  card) is predicted on fake CPU tensors, which have the same sizes; ``precision: auto``
+  is then bf16, as on any card since Ampere.
+
+Not modelled: what compiling does to the step's tensors (the step runs eagerly here; a
+compiled one usually holds less), the CUDA allocator's cache and fragmentation
+(``peak_reserved_bytes``), and any CPU memory a library keeps beyond its tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mbtune.config.experiment import Experiment
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+from mbtune.models.batch import split_batch
+from mbtune.trial.measure import (
+    accumulate_gradients,
+    build_spec,
+    full_batch_if_mixing,
+    rank_micro_batches,
+    synced_step,
+)
+from mbtune.trial.memory import Verdict, over_budget
+from mbtune.trial.precision import Precision
+from mbtune.trial.sharding import mixed_precision, shard_units
+
+__all__ = [
+    "CPU_COMPILE_BYTES",
+    "CPU_PROCESS_BASELINE_BYTES",
+    "MemoryPrediction",
+    "predict_memory",
+    "predicted_oom",
+    "prediction_lines",
+]
+
+CPU_PROCESS_BASELINE_BYTES = {"simulate": 314 * 2**20, "ddp": 475 * 2**20}
+"""A CPU trial process's own memory before its model, by ``trial.parallel``: Python and
+libtorch (``simulate``), and gloo and Ray Train's worker (``ddp``). Measured: the peak of
+a trial of a 28-thousand-parameter gpt (``bench/memory_prediction.py --baseline``), one
+process 315 MiB, each of 2 gloo workers 475 MiB, less the model's step (under 1 MiB)."""
+
+CPU_COMPILE_BYTES = {"simulate": 74 * 2**20, "ddp": 66 * 2**20}
+"""What ``trial.compile`` adds to a CPU trial process, by ``trial.parallel``: the tiny
+trial of :data:`CPU_PROCESS_BASELINE_BYTES` compiled less eager: one process 401 and 376
+MiB in two runs against 315 (their mean), a gloo worker 541 MiB in both against 476."""
+
+_STEPS = 2
+"""Steps simulated: the first allocates the optimizer's state, the second is a steady one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPrediction:
+    """One device's predicted peak memory for a configuration, in bytes, by part; the
+    parts are what was held at the moment of the peak and sum to it."""
+
+    config: BatchConfig
+    """The configuration predicted (m = P where the model mixes the samples of a batch)."""
+    device: str
+    """The device predicted for: ``cpu`` or ``cuda``."""
+    sharding: str
+    precision: str
+    """``trial.precision`` as it would resolve on the device."""
+    num_parameters: int
+    """The whole model's parameters (every device's shards together)."""
+    parameters_bytes: int
+    """Parameters held: the shard and, sharded, the unsharded blocks being used."""
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    """Activations kept for the backward pass, temporaries, and the batch."""
+    collective_buffers_bytes: int
+    """FSDP's all-gather and reduce-scatter buffers; DDP's gradient buckets."""
+    process_baseline_bytes: int
+    """The process's own memory (CPU only): :data:`CPU_PROCESS_BASELINE_BYTES`, what the
+    model's library adds (``hf:``, a user model) and :data:`CPU_COMPILE_BYTES`."""
+    peak_memory_bytes: int
+    """Every part together: the figure a trial's ``peak_memory_bytes`` measures."""
+    note: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.config.as_dict(),
+            "device": self.device,
+            "sharding": self.sharding,
+            "precision": self.precision,
+            "num_parameters": self.num_parameters,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "parts": {
+                "parameters_bytes": self.parameters_bytes,
+                "gradients_bytes": self.gradients_bytes,
+                "optimizer_state_bytes": self.optimizer_state_bytes,
+                "activations_bytes": self.activations_bytes,
+                "collective_buffers_bytes": self.collective_buffers_bytes,
+                "process_baseline_bytes": self.process_baseline_bytes,
+            },
+            "note": self.note,
+        }
+
+
+def predict_memory(exp: Experiment, config: BatchConfig) -> MemoryPrediction:
+    """The peak memory of one device (rank 0, the busiest) when ``config`` of ``exp`` is
+    measured, predicted on fake tensors: nothing of the model's size is allocated, and the
+    device need not be present (see the module's docstring)."""
+    tr = exp.trial
+    device = "cuda" if tr.device == "cuda" or (tr.device == "auto" and _has_cuda()) else "cpu"
+    precision = _precision(tr.precision, device)
+    spec = build_spec(exp, config, meta=True)  # no memory: the meta device
+    config, note = full_batch_if_mixing(spec, config)
+    module = spec.module
+    num_parameters = sum(p.numel() for p in module.parameters())
+    sharded = tr.sharding == "fsdp"
+    with _fake_group(config.num_devices) if sharded else contextlib.nullcontext() as mesh:
+        if sharded:
+            _shard(module, mesh, precision)
+        parts = _parts(_steps_at_peak(spec, config, precision, sharded=sharded))
+    if not sharded and tr.parallel == "ddp" and config.num_devices > 1:
+        # DDP's buckets: a second copy of the gradients, held from its construction on
+        parts["collective_buffers_bytes"] += sum(
+            p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+        )
+    baseline = 0
+    if device == "cpu":
+        baseline = CPU_PROCESS_BASELINE_BYTES[tr.parallel] + _library_bytes(exp)
+        baseline += CPU_COMPILE_BYTES[tr.parallel] if tr.compile else 0
+    return MemoryPrediction(
+        config=config,
+        device=device,
+        sharding=tr.sharding,
+        precision=precision,
+        num_parameters=num_parameters,
+        process_baseline_bytes=baseline,
+        peak_memory_bytes=sum(parts.values()) + baseline,
+        note=note,
+        **parts,
+    )
+
+
+def predicted_oom(exp: Experiment, config: BatchConfig) -> Verdict | None:
+    """``("oom", "predicted: ...")`` where ``config``'s predicted peak leaves less than
+    ``trial.memory_headroom`` of ``trial.device_memory`` free (mbtune.trial.memory's rule
+    for a measured peak), so that a search can record it without measuring; None where it
+    fits, or where no budget is given (a card's memory is known only on the card)."""
+    budget = exp.trial.device_memory
+    if budget is None:
+        return None
+    over = over_budget(exp.trial, budget, predict_memory(exp, config).peak_memory_bytes)
+    return None if over is None else ("oom", f"predicted: {over}")
+
+
+def prediction_lines(p: MemoryPrediction) -> list[str]:
+    """The prediction in a few lines, for ``mbtune memory``."""
+    c = p.config
+    mib = 2**20
+
+    def part(label: str, value: int) -> str:
+        return f"  {label:<20} {value / mib:>12,.1f} MiB"
+
+    lines = [
+        f"predicted peak memory of one {p.device} device: {p.peak_memory_bytes / mib:,.1f} MiB "
+        f"(B={c.batch_size}, n={c.num_devices}, m={c.micro_batch_size}, "
+        f"g={c.grad_accum_steps}, sharding {p.sharding}, {p.precision}, "
+        f"{p.num_parameters:,} parameters)",
+        part("parameters", p.parameters_bytes),
+        part("gradients", p.gradients_bytes),
+        part("optimizer state", p.optimizer_state_bytes),
+        part("activations", p.activations_bytes),
+        part("collective buffers", p.collective_buffers_bytes),
+    ]
+    if p.process_baseline_bytes:
+        lines.append(part("process baseline", p.process_baseline_bytes))
+    if p.note:
+        lines.append(f"  note: {p.note}")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# rank 0's steps on fake tensors
+
+
+def _shard(module: Any, mesh: Any, precision: str) -> None:
+    """FSDP2 over ``mesh`` as a sharded trial cuts the model (mbtune.trial.sharding): one
+    unit per block and the root, ``trial.precision`` as the mixed-precision policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = mixed_precision(precision) or MixedPrecisionPolicy()
+    for unit in shard_units(module):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+
+
+def _steps_at_peak(
+    spec: Any, config: BatchConfig, precision: str, *, sharded: bool
+) -> dict[Any, dict[Any, int]]:
+    """Two steps of rank 0 on fake tensors, as mbtune.trial.measure takes them; the
+    trackers' bytes by category at the peak (per device)."""
+    import torch
+
+    trackers = _trackers()
+    module = spec.module
+    sizes = rank_micro_batches(config, 0)
+    loss_fn = Precision(precision, "cpu").loss(spec.loss_fn)
+    # each micro-batch's share, as the trial weighs it (a device's share of B / n)
+    total = sum(sizes) if config.num_devices == 1 else config.batch_size / config.num_devices
+    # meta tensors go into the fake mode as inputs (they hold nothing either)
+    with trackers.fake_mode(allow_non_fake_inputs=True):
+        _to_empty_tied(module, "cpu")
+        module.train()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        batches = split_batch(spec.make_batch(sum(sizes), torch.device("cpu")), sizes)
+        if sharded:
+            tracker = trackers.fsdp(module, optimizer)
+            tracker.track_inputs(tuple(batches))
+        else:
+            tracker = trackers.plain()
+            tracker.track_external(module, optimizer, *_tensors(batches))
+
+        def tracked_loss(model: Any, batch: Any) -> Any:
+            # the trackers follow one forward pass per module: each micro-batch's anew
+            # (the peak over all of them is kept)
+            tracker.reset_mod_stats()
+            return loss_fn(model, batch)
+
+        with tracker:
+            for _ in range(_STEPS):
+                if sharded:
+                    no_sync = _no_gradient_sync(module)
+                    synced_step(tracked_loss, module, batches, total=total, no_sync=no_sync)
+                else:
+                    accumulate_gradients(tracked_loss, module, batches, total=total)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return tracker.get_tracker_snapshot("peak")
+
+
+# ---------------------------------------------------------------------------
+# the parts
+
+
+_PARTS = {
+    "parameters_bytes": ("Parameter", "Sharded Param", "Unsharded Param", "Buffer"),
+    "gradients_bytes": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+    "optimizer_state_bytes": ("Optstate", "OptState"),
+    "activations_bytes": ("Activation", "Temp", "Inputs", "Other"),
+    "collective_buffers_bytes": ("All Gather", "Reduce Scatter"),
+}
+"""The trackers' categories (by their values) in the parts a prediction names."""
+
+
+def _parts(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """The bytes of each part at the peak, summed over the snapshot's devices."""
+    parts = dict.fromkeys(_PARTS, 0)
+    owner = {category: part for part, categories in _PARTS.items() for category in categories}
+    for by_category in snapshot.values():
+        for category, nbytes in by_category.items():
+            name = getattr(category, "value", category)
+            if name != "Total":
+                parts[owner.get(name, "activations_bytes")] += int(nbytes)
+    return parts
+
+
+def _to_empty_tied(module: Any, device: str) -> None:
+    """``module.to_empty(device)``, its tied parameters (an embedding shared with the
+    output layer) still one: from meta to fake tensors, which torch cannot swap in place,
+    ``to_empty`` makes each module's parameter anew, and a tied weight would count twice."""
+    owners = [
+        (m, name, id(p))
+        for m in module.modules()
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
+    ]
+    module.to_empty(device=device)
+    first: dict[int, Any] = {}
+    for m, name, key in owners:
+        if key in first:
+            setattr(m, name, first[key])
+        else:
+            first[key] = getattr(m, name)
+
+
+_LIBRARY_PROBE = """
+import pickle, re, sys
+from pathlib import Path
+
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+import torch
+from mbtune.models.build import build_from_config
+
+model = pickle.load(sys.stdin.buffer)
+before = rss()
+with torch.device("meta"):
+    build_from_config(model, seed=0)
+print(rss() - before)
+"""
+"""Run in a fresh process: the bytes that building the model (on the meta device, its code
+imported) adds to a process that has torch and mbtune's models."""
+
+
+def _library_bytes(exp: Experiment) -> int:
+    """What the model's own library (transformers, a user's package) adds to a trial
+    process's memory; 0 for mbtune's built-in models, which the baseline includes."""
+    if exp.model.is_builtin:
+        return 0
+    return _probe(pickle.dumps(exp.model))
+
+
+@functools.cache
+def _probe(model: bytes) -> int:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_PROBE],
+        input=model, capture_output=True, cwd=os.getcwd(), timeout=300,
+    )  # fmt: skip
+    lines = done.stdout.decode(errors="replace").split()
+    if done.returncode != 0 or not lines:
+        why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise MbtuneError(f"mbtune memory: measuring the model's library failed: {why[0]}")
+    return max(0, int(lines[-1]))
+
+
+def _tensors(batches: list[Any]) -> list[Any]:
+    from mbtune.models.batch import batch_tensors
+
+    return [t for batch in batches for t in batch_tensors(batch)]
+
+
+# ---------------------------------------------------------------------------
+# torch's tools
+
+
+@dataclass(frozen=True)
+class _Trackers:
+    fake_mode: Any
+    fsdp: Any
+    plain: Any
+
+
+def _trackers() -> _Trackers:
+    """torch's fake tensors and memory trackers, from their private modules (see the
+    module's docstring); a torch that moved them is one line, not a traceback."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError as e:
+        import torch
+
+        raise MbtuneError(
+            f"mbtune memory needs torch's FakeTensorMode and memory trackers, which torch "
+            f"{torch.__version__} does not have where mbtune looks ({e}); use torch 2.13"
+        ) from None
+    return _Trackers(FakeTensorMode, FSDPMemTracker, MemTracker)
+
+
+@contextlib.contextmanager
+def _fake_group(world_size: int) -> Iterator[Any]:
+    """A process group of ``world_size`` ranks, this process rank 0, with torch's ``fake``
+    backend (no communication), and a CPU device mesh over it; torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise MbtuneError(
+            "mbtune memory runs rank 0 of N on a fake process group of its own, and this "
+            "process already has a process group; predict from a process without one"
+        )
+    if not hasattr(dist.Backend, "FAKE"):
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (torch < 2.10)
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _no_gradient_sync(module: Any) -> Any:
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    return no_sync
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _precision(name: str, device: str) -> str:
+    """``trial.precision`` as it would resolve on ``device``, without the device: ``auto``
+    is bf16 on CUDA (any card since Ampere), fp32 on the CPU; tf32 holds fp32's bytes."""
+    if name == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    if name == "fp16" and device == "cpu":
+        raise MbtuneError(
+            "trial.precision: fp16 runs on CUDA only, and this configuration runs on cpu; "
+            "use bf16 or fp32 on the CPU, or auto"
+        )
+    return name

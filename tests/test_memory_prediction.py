@@ -1,0 +1,190 @@
+"""Memory before measuring (mbtune.trial.predict, ``mbtune memory``): the parts of the
+prediction, a device that is not here, bad input in one line, the prediction against a
+measured trial, and no model memory spent on predicting it."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mbtune.cli import main
+from mbtune.config.load import parse_experiment
+from mbtune.lattice import BatchConfig
+from mbtune.models.build import build_model
+from mbtune.trial.predict import (
+    CPU_COMPILE_BYTES,
+    CPU_PROCESS_BASELINE_BYTES,
+    predict_memory,
+    predicted_oom,
+)
+
+TINY_GPT = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
+            "vocab_size": 64}  # fmt: skip
+PARTS = ["parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+         "collective_buffers_bytes", "process_baseline_bytes"]  # fmt: skip
+
+
+def raw(model: dict = TINY_GPT, **trial) -> dict:
+    return {
+        "name": "memory",
+        "model": model,
+        "train_input": {"batch_size": 4, "micro_batch_size": 2, "num_devices": 2},
+        "trial": {"device": "cpu", "precision": "fp32", "compile": False, **trial},
+    }
+
+
+def write(tmp_path: Path, experiment: dict) -> Path:
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path
+
+
+def memory(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["memory", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_prints_one_object_with_the_parts_that_sum_to_the_peak(tmp_path, capsys):
+    code, out, err = memory(capsys, write(tmp_path, raw()), "--json", "--batch-size", "8")
+    assert code == 0
+    got = json.loads(out)
+    assert (got["batch_size"], got["num_devices"], got["micro_batch_size"]) == (8, 2, 2)
+    assert (got["grad_accum_steps"], got["device"], got["sharding"]) == (2, "cpu", "none")
+    whole = build_model("gpt", {k: v for k, v in TINY_GPT.items() if k != "name"}).module
+    assert got["num_parameters"] == sum(p.numel() for p in whole.parameters())
+    assert list(got["parts"]) == PARTS
+    assert got["peak_memory_bytes"] == sum(got["parts"].values())
+    assert got["parts"]["process_baseline_bytes"] == CPU_PROCESS_BASELINE_BYTES["simulate"]
+    assert got["parts"]["collective_buffers_bytes"] == 0  # one process: nothing all-reduced
+
+
+def test_the_lines_name_every_part(tmp_path, capsys):
+    code, out, _ = memory(capsys, write(tmp_path, raw()))
+    assert code == 0
+    assert out.startswith("predicted peak memory of one cpu device: ")
+    for label in ["parameters", "gradients", "optimizer state", "activations",
+                  "collective buffers", "process baseline"]:  # fmt: skip
+        assert f"\n  {label} " in out
+
+
+def test_a_cuda_device_is_predicted_without_one_in_bf16_and_without_a_process_baseline():
+    exp = parse_experiment(raw(device="cuda", precision="auto"))
+    p = predict_memory(exp, BatchConfig(4, 2, 2))
+    assert (p.device, p.precision, p.process_baseline_bytes) == ("cuda", "bf16", 0)
+    states = p.parameters_bytes + p.gradients_bytes + p.optimizer_state_bytes
+    assert p.peak_memory_bytes == states + p.activations_bytes + p.collective_buffers_bytes
+
+
+def test_sharding_over_more_devices_divides_the_optimizer_state():
+    """FSDP2 on a fake process group: rank 0's shard of N, and its all-gather buffers."""
+    exp = parse_experiment(raw(parallel="ddp", sharding="fsdp"))
+    two = predict_memory(exp, BatchConfig(4, 2, 2))
+    four = predict_memory(exp, BatchConfig(8, 4, 2))
+    whole = predict_memory(parse_experiment(raw(parallel="ddp")), BatchConfig(4, 2, 2))
+    assert (two.sharding, whole.sharding) == ("fsdp", "none")
+    assert two.num_parameters == four.num_parameters == whole.num_parameters
+    assert two.optimizer_state_bytes == pytest.approx(2 * four.optimizer_state_bytes, rel=0.1)
+    assert whole.optimizer_state_bytes == pytest.approx(2 * two.optimizer_state_bytes, rel=0.1)
+    assert two.collective_buffers_bytes > 0
+    # ddp without sharding: DDP's buckets, a second copy of the gradients
+    assert whole.collective_buffers_bytes == 4 * whole.num_parameters
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--micro-batch-size", "3"], r"^mbtune: error: --micro-batch-size: micro_batch_size 3 "),
+        (["--set", "trial.sharding=zero"], r"^mbtune: error: trial\.sharding: "),
+        (["--set", "trial.precision=fp16"], r"^mbtune: error: trial\.precision: fp16 runs on "),
+        (["--bogus"], r"^mbtune: error: unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
+    try:
+        code = main(["memory", str(write(tmp_path, raw())), *argv])
+    except SystemExit as e:  # argparse's usage error
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_a_missing_experiment_exits_2_with_one_line(tmp_path, capsys):
+    code, _, err = memory(capsys, tmp_path / "nope.yaml")
+    assert code == 2 and err == f"mbtune: error: experiment file not found: {tmp_path}/nope.yaml\n"
+
+
+def test_the_prediction_is_within_15_percent_of_a_measured_trial(tmp_path):
+    """One process on the CPU (its peak the process's high-water mark), a gpt of 8M
+    parameters: states of 127 MiB over a baseline of 314 MiB. The ddp figures, 2 gloo
+    workers, sharded and not, are bench/memory_prediction.py's (docs/benchmarks.md)."""
+    gpt = {"name": "gpt", "n_layer": 4, "d_model": 384, "n_head": 4, "seq_len": 64,
+           "vocab_size": 2048}  # fmt: skip
+    experiment = raw(gpt, warmup_steps=1, measure_steps=2)
+    experiment["train_input"] = {"batch_size": 8, "micro_batch_size": 2, "num_devices": 2}
+    path = write(tmp_path, experiment)
+    measured = subprocess.run(
+        [sys.executable, "-m", "mbtune", "trial", str(path), "--json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=True,
+    )  # fmt: skip
+    peak = json.loads(measured.stdout.splitlines()[-1])["peak_memory_bytes"]
+    predicted = predict_memory(parse_experiment(experiment), BatchConfig(8, 2, 2))
+    assert predicted.peak_memory_bytes / peak == pytest.approx(1, abs=0.15)
+
+
+def test_predicting_allocates_no_model_memory():
+    """A gpt of 113M parameters: 430 MiB of weights, 1.7 GiB with gradients and Adam's
+    states; predicting its step raises this process's high-water mark by far less."""
+    from mbtune.trial.memory import peak_memory, reset_peak
+
+    torch = pytest.importorskip("torch")
+    gpt = {"name": "gpt", "n_layer": 8, "d_model": 1024, "n_head": 8, "seq_len": 16,
+           "vocab_size": 1024}  # fmt: skip
+    exp = parse_experiment(raw(gpt))
+    cpu = torch.device("cpu")
+    reset_peak(torch, cpu)
+    before = peak_memory(torch, cpu)
+    p = predict_memory(exp, BatchConfig(4, 2, 2))
+    rise = peak_memory(torch, cpu) - before
+    weights = 4 * p.num_parameters
+    assert p.num_parameters > 100_000_000
+    assert p.peak_memory_bytes - p.process_baseline_bytes > 3 * weights  # predicted, whole
+    assert rise < weights / 10, f"{rise / 2**20:.0f} MiB"
+
+
+def test_a_configuration_predicted_over_the_budget_is_an_oom_without_measuring():
+    """The tiny gpt's step is under 1 MiB over the 314 MiB baseline of one CPU process."""
+    config = BatchConfig(4, 2, 2)
+    fits = parse_experiment(raw(device_memory="400MiB", memory_headroom=0.1))
+    assert predicted_oom(fits, config) is None
+    tight = parse_experiment(raw(device_memory="330MiB", memory_headroom=0.1))
+    status, reason = predicted_oom(tight, config)
+    assert status == "oom"
+    assert reason.startswith("predicted: peak memory 314 MiB fits in the budget "), reason
+    assert predicted_oom(parse_experiment(raw()), config) is None  # no budget on the CPU
+
+
+@pytest.mark.slow
+def test_a_transformers_model_adds_its_librarys_memory_to_the_cpu_baseline():
+    """transformers' Llama code costs a trial process about 130 MiB beyond torch: measured
+    in a fresh process, since this one may have imported it long ago."""
+    pytest.importorskip("transformers")
+    llama = {"name": "hf:llama", "num_hidden_layers": 1, "hidden_size": 32,
+             "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "vocab_size": 128, "seq_len": 16}  # fmt: skip
+    exp = parse_experiment(raw(llama, parallel="ddp", sharding="fsdp"))
+    p = predict_memory(exp, BatchConfig(4, 2, 2))
+    assert p.process_baseline_bytes - CPU_PROCESS_BASELINE_BYTES["ddp"] > 50 * 2**20
+
+
+def test_compiling_adds_what_compile_costs_a_cpu_process():
+    config = BatchConfig(4, 2, 2)
+    eager = predict_memory(parse_experiment(raw(parallel="ddp")), config)
+    compiled = predict_memory(parse_experiment(raw(parallel="ddp", compile=True)), config)
+    added = compiled.process_baseline_bytes - eager.process_baseline_bytes
+    assert added == CPU_COMPILE_BYTES["ddp"]

@@ -1,0 +1,474 @@
+"""The plan of the real run: the fitted step model, the rows and picks, `mbtune plan`."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from mbtune.cli import main
+from mbtune.config.load import parse_experiment
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
+from mbtune.plan.fit import Link, gather_s, sync_s
+from mbtune.plan.planner import Interval, make_plan, plan_run
+from mbtune.runs.rundir import read_trials
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from rundirs import EXPERIMENT, make_run, trial_row  # noqa: E402
+
+GRAD_BYTES = 400_000_000
+"""A 100M-parameter model's fp32 gradients."""
+INTRA = (300e9, 5e-6)
+INTER = (40e9, 12e-6)
+
+
+def truth_compute_s(m):
+    """The generator's seconds per micro-batch: a fixed cost per pass and one per sample."""
+    return 0.002 + 0.001 * m
+
+
+def truth_step_s(config, per_node=8):
+    intra = Link(np.array([INTRA[0]]), np.array([INTRA[1]]))
+    inter = Link(np.array([INTER[0]]), np.array([INTER[1]]))
+    g = config.grad_accum_steps
+    sync = sync_s(GRAD_BYTES, config.num_devices, g, "none", per_node, intra, inter)
+    return g * truth_compute_s(config.canonical_micro_batch_size) + float(sync[0])
+
+
+def exact_row(b, n, m, *, parallel="ddp", **extra):
+    """A trials.csv row measured exactly from the generator (no spread in its steps)."""
+    config = BatchConfig(b, n, m)
+    step = truth_step_s(config)
+    comm = step - config.grad_accum_steps * truth_compute_s(config.canonical_micro_batch_size)
+    return trial_row(
+        b, n, m, b / step,
+        comm_time_ms=comm * 1e3, compute_time_ms=(step - comm) * 1e3,
+        step_time_ms_iqr=None, step_times_ms=[], parallel=parallel, **extra,
+    )  # fmt: skip
+
+
+def experiment(plan, *, devices=(1, 2, 4, 8), micro=(4, 8, 16), batch=512, parallel="ddp"):
+    return {
+        **EXPERIMENT,
+        "train_input": {"batch_size": batch, "micro_batch_size": "auto"},
+        "search": {"space": {"num_devices": list(devices), "micro_batch_size": micro},
+                   "noise_floor": 0.0},
+        "trial": {"parallel": parallel},
+        "plan": plan,
+    }  # fmt: skip
+
+
+EXACT_PLAN = {
+    "samples": 1e9,
+    "num_devices": [8, 64, 256],
+    "price_per_device_hour": 2.5,
+    "inter_node": {"bandwidth": int(INTER[0]), "latency_us": INTER[1] * 1e6, "uncertainty": 0.0},
+}
+
+
+def exact_run(tmp_path, plan=EXACT_PLAN, devices=(1, 2, 4, 8), micro=(4, 8, 16), **kwargs):
+    rows = [exact_row(512, n, m) for n in devices for m in (4, 8, 16)]
+    return make_run(tmp_path, rows, experiment=experiment(plan, devices=devices, micro=micro,
+                                                          **kwargs))  # fmt: skip
+
+
+def plan_of(run, *overrides, draws=200):
+    return plan_run(run, overrides, grad_bytes=GRAD_BYTES, draws=draws)
+
+
+# -- the model -----------------------------------------------------------------
+
+
+def test_the_ring_factors_and_the_two_tiers():
+    one = Link(np.array([100.0]), np.array([1.0]))
+    slow = Link(np.array([10.0]), np.array([3.0]))
+    # within a node: (n - 1) / n of the bytes, n - 1 hops
+    assert gather_s(400, 4, 8, one, slow)[0] == pytest.approx(3 / 4 * 4 + 3)
+    # an all-reduce is two of them: 2 (n - 1) / n S / bw + 2 (n - 1) latency
+    assert sync_s(400, 4, 1, "none", 8, one, slow)[0] == pytest.approx(2 * (3 / 4 * 4 + 3))
+    # 16 devices in nodes of 4: the ring at the slower of 100 and 4 x 10, 3 per hop
+    assert gather_s(400, 16, 4, one, slow)[0] == pytest.approx(15 / 16 * 400 / 40 + 15 * 3.0)
+    fast_nics = Link(np.array([1000.0]), np.array([3.0]))  # 4 x 1000 > 100: NVLink's pace
+    assert gather_s(400, 16, 4, one, fast_nics)[0] == pytest.approx(15 / 16 * 4 + 15 * 3.0)
+    # fsdp: an all-gather in each pass of each of g micro-batches, one reduce-scatter
+    assert sync_s(400, 4, 3, "fsdp", 8, one, slow)[0] == pytest.approx(7 * (3 / 4 * 4 + 3))
+    assert sync_s(400, 1, 3, "none", 8, one, slow)[0] == 0
+
+
+def test_the_fit_recovers_the_generator_at_the_sizes_it_never_measured(tmp_path):
+    plan = plan_of(exact_run(tmp_path, micro={"min": 1, "max": 16}))
+    assert "fitted to the collectives measured at 2, 4, 8 devices" in plan.link_basis
+    assert [r.config.num_devices for r in plan.rows] == [8, 64, 256]
+    for row in plan.rows:
+        assert row.samples_per_s.value == pytest.approx(
+            row.config.batch_size / truth_step_s(row.config), rel=1e-6
+        )
+        # no noise, no link uncertainty: the interval is the point
+        assert row.samples_per_s.low == pytest.approx(row.samples_per_s.value, rel=1e-6)
+        assert row.samples_per_s.high == pytest.approx(row.samples_per_s.value, rel=1e-6)
+    # 256 devices of a 512 batch: micro-batches of 1 and 2, below every size measured (the
+    # affine fit of the compute); the best there is the truth's best
+    at_256 = plan.rows[2].config
+    best = min((BatchConfig(512, 256, m) for m in (1, 2)), key=truth_step_s)
+    assert at_256 == best
+
+
+def test_a_replay_s_folded_collectives_are_found_and_the_link_fitted_to_them(tmp_path):
+    """A replayed table's throughput holds its collectives (comm_time_ms 0): the fit tells
+    them apart from the compute by the micro-batch sizes measured at several counts."""
+    rows = []
+    for n in (1, 2, 4, 8):
+        for m in (4, 8, 16):
+            row = exact_row(512, n, m, parallel="simulate", backend="replay")
+            row.update(comm_time_ms=0.0, compute_time_ms=row["step_time_ms_median"])
+            rows.append(row)
+    run = make_run(tmp_path, rows, experiment=experiment(EXACT_PLAN, parallel="simulate"))
+    plan = plan_of(run)
+    assert "fitted to the collectives measured at 2, 4, 8 devices" in plan.link_basis
+    for row in plan.rows:  # 8 (measured), 64 and 256 (predicted over two tiers)
+        truth = row.config.batch_size / truth_step_s(row.config)
+        assert row.samples_per_s.value == pytest.approx(truth, rel=1e-6)
+
+
+def test_a_single_device_count_rests_on_the_link_prior_and_says_so(tmp_path):
+    plan_keys = {**EXACT_PLAN, "intra_node": {}, "inter_node": {}}
+    plan = plan_of(exact_run(tmp_path, plan=plan_keys, devices=(1,)))
+    assert plan.link_basis.endswith("the run measured a single device count (1)")
+    assert "prior alone" in plan.link_basis
+    at_64 = plan.rows[1].samples_per_s
+    assert at_64.low < at_64.value < at_64.high  # the prior's 30% shows
+    one = plan.rows[0].samples_per_s  # 8 devices on one node: the intra-node prior alone
+    assert one.low < one.value < one.high
+
+
+def test_a_simulated_run_s_collectives_are_not_fitted(tmp_path):
+    rows = [exact_row(512, n, 8, parallel="simulate") for n in (1, 2, 4)]
+    run = make_run(tmp_path, rows, experiment=experiment(EXACT_PLAN, parallel="simulate"))
+    assert "modelled (trial.parallel: simulate), not measured" in plan_of(run).link_basis
+
+
+def test_every_row_s_hours_device_hours_and_cost_follow_from_samples_per_s(tmp_path, capsys):
+    run = exact_run(tmp_path, plan={"samples": 3e8, "num_devices": [8, 64]})
+    code = main(["plan", str(run), "--set", "plan.price_per_device_hour=2.5", "--json",
+                 "--set", "plan.intra_node.uncertainty=0.5"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0 and "inter-node link is the prior" in err
+    report = json.loads(out)
+    assert set(report) == {"rows", "fastest", "cheapest", "cheapest_within"}
+    for row in [*report["rows"], report["fastest"], report["cheapest"], report["cheapest_within"]]:
+        assert set(row) == {"num_devices", "batch_size", "micro_batch_size",
+                            "activation_checkpointing", "samples_per_s", "hours",
+                            "device_hours", "cost"}  # fmt: skip
+        speed, hours, dh, cost = (row[k] for k in ("samples_per_s", "hours", "device_hours",
+                                                   "cost"))  # fmt: skip
+        for key, rate in (("value", "value"), ("low", "high"), ("high", "low")):
+            assert hours[key] == pytest.approx(3e8 / speed[rate] / 3600)
+        for key in ("value", "low", "high"):
+            assert dh[key] == pytest.approx(hours[key] * row["num_devices"])
+            assert cost[key] == pytest.approx(dh[key] * 2.5)
+        for interval in (speed, hours, dh, cost):
+            assert interval["low"] <= interval["value"] <= interval["high"]
+
+
+def test_the_picks(tmp_path):
+    # a slow link between nodes: 64 devices are faster than 8, but far dearer per sample
+    run = exact_run(tmp_path)
+    plan = plan_of(run, "plan.num_devices=[8, 16, 64]", "plan.max_slowdown=0.0")
+    by_n = {r.config.num_devices: r for r in plan.rows}
+    assert plan.fastest is min(plan.rows, key=lambda r: r.hours.value)
+    assert plan.cheapest is min(plan.rows, key=lambda r: r.cost.value)
+    assert plan.fastest is by_n[64] and plan.cheapest is by_n[8]
+    assert plan.cheapest_within is plan.fastest  # no slowdown allowed: the fastest
+    loose = plan_of(run, "plan.num_devices=[8, 16, 64]", "plan.max_slowdown=100")
+    assert loose.cheapest_within.config == loose.cheapest.config
+    slowdown = by_n[16].hours.value / by_n[64].hours.value - 1
+    middle = plan_of(run, "plan.num_devices=[8, 16, 64]", f"plan.max_slowdown={slowdown + 1e-6}")
+    assert middle.cheapest_within.config.num_devices == 16
+
+
+def test_devices_per_node_and_the_tiers_are_honoured(tmp_path):
+    run = exact_run(tmp_path)
+    base = plan_of(run, "plan.num_devices=[16]").rows[0].samples_per_s.value
+    # 16 devices in one node: the fast tier alone
+    one_node = plan_of(run, "plan.num_devices=[16]", "plan.devices_per_node=16").rows[0]
+    assert one_node.samples_per_s.value > base
+    slower = plan_of(run, "plan.num_devices=[16]", "plan.inter_node.bandwidth=4GB")
+    assert slower.rows[0].samples_per_s.value < base
+    later = plan_of(run, "plan.num_devices=[16]", "plan.inter_node.latency_us=10000")
+    assert later.rows[0].samples_per_s.value < base
+    narrow = plan_of(run, "plan.num_devices=[16]").rows[0].samples_per_s  # uncertainty 0
+    wide = plan_of(run, "plan.num_devices=[16]", "plan.inter_node.uncertainty=1.0").rows[0]
+    assert narrow.high / narrow.low == pytest.approx(1.0)
+    assert wide.samples_per_s.high / wide.samples_per_s.low > 1.1
+    # prior-only intra-node tier (one device count): its bandwidth is honoured
+    single = exact_run(tmp_path / "one", plan={"samples": 1e9, "num_devices": [8]}, devices=(1,))
+    fast = plan_of(single).rows[0].samples_per_s.value
+    assert plan_of(single, "plan.intra_node.bandwidth=10GB").rows[0].samples_per_s.value < fast
+    assert plan_of(single, "plan.intra_node.latency_us=1000").rows[0].samples_per_s.value < fast
+
+
+def test_samples_tokens_and_steps(tmp_path):
+    rows = [exact_row(512, n, 8, tokens_per_s=None) for n in (1, 2)]
+    for row in rows:
+        row["tokens_per_s"] = row["samples_per_s"] * 64  # a seq_len of 64
+    run = make_run(tmp_path, rows, experiment=experiment({"samples": 1e9, "num_devices": [8]}))
+    by_samples = plan_of(run).rows[0]
+    assert by_samples.samples == 1e9
+    assert plan_of(run, "plan.samples=null", "plan.tokens=6.4e10").rows[0].samples == 1e9
+    by_steps = plan_of(run, "plan.samples=null", "plan.steps=1000").rows[0]
+    assert by_steps.samples == 1000 * by_steps.config.batch_size
+    assert by_steps.hours.value == pytest.approx(
+        1000 * by_steps.config.batch_size / by_steps.samples_per_s.value / 3600
+    )
+    no_tokens = make_run(tmp_path / "b", [exact_row(512, 1, 8)],
+                         experiment=experiment({"tokens": 1e9}))  # fmt: skip
+    with pytest.raises(Exception, match=r"^plan\.tokens: the run's trials counted no tokens"):
+        plan_of(no_tokens)
+
+
+def test_without_a_price_there_is_no_cost_and_the_cheapest_is_in_device_hours(tmp_path):
+    plan = plan_of(exact_run(tmp_path, plan={"samples": 1e9, "num_devices": [8, 64]}))
+    assert all(r.cost is None for r in plan.rows)
+    assert plan.as_json()["cheapest"]["cost"] is None
+    assert plan.cheapest is min(plan.rows, key=lambda r: r.device_hours.value)
+
+
+def test_the_plan_uses_no_micro_batch_larger_than_one_that_ran(tmp_path):
+    rows = [exact_row(512, n, m) for n in (1, 2) for m in (4, 8)]
+    rows.append(trial_row(512, 1, 16, status="oom"))
+    run = make_run(tmp_path, rows, experiment=experiment({"samples": 1e9, "num_devices": [1]}))
+    assert plan_of(run).rows[0].config.micro_batch_size <= 8
+
+
+def test_interval_holds_its_point_estimate():
+    draws = np.array([1.0, *np.linspace(2, 3, 50)])  # every draw above the point
+    interval = Interval.of(draws)
+    assert interval.low == 1.0 <= interval.value <= interval.high
+    assert interval.into(10.0) == Interval(10.0, 10.0 / interval.high, 10.0)
+
+
+def test_a_run_s_measured_configurations_are_predicted_as_measured(tmp_path):
+    run = exact_run(tmp_path, plan={"samples": 1e9, "num_devices": [1, 2, 4, 8]})
+    plan = plan_of(run)
+    measured = {(r.num_devices, r.micro_batch_size): r.samples_per_s
+                for r in read_trials(run / "trials.csv").records}  # fmt: skip
+    for row in plan.rows:
+        c = row.config
+        assert row.samples_per_s.value == pytest.approx(measured[c.num_devices, c.micro_batch_size])
+        best = max(v for (n, _), v in measured.items() if n == c.num_devices)
+        assert row.samples_per_s.value == pytest.approx(best)
+
+
+# -- the command ------------------------------------------------------------------
+
+
+def test_mbtune_plan_counts_the_model_s_bytes_once_and_prints_the_plan(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    seen = []
+
+    def counted(model):
+        seen.append(model)
+        return GRAD_BYTES
+
+    monkeypatch.setattr("mbtune.plan.model_bytes.gradient_bytes", counted)
+    run = exact_run(tmp_path)
+    assert main(["plan", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert [m.name for m in seen] == ["mlp"]
+    assert "plan: 1e+09 samples on 8, 64, 256 devices, from 12 measured trials" in out
+    assert "fastest: " in out and "cheapest within 10% of the fastest: " in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "plan.samples=-1"], "plan.samples: must be positive, got -1"),
+        (["--set", "plan.samples=null"], "plan: give one of samples, tokens or steps"),
+        (["--set", "plan.num_devices=[0]"], "plan.num_devices: 0 is out of range"),
+        (["--set", "plan.inter_node.bandwith=1GB"], "plan.inter_node.bandwith: unknown key"),
+        (["--set", "train_input.batch_size=8"], "--set: mbtune plan sets the plan's keys only"),
+    ],
+)
+def test_a_wrong_plan_field_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    code = main(["plan", str(exact_run(tmp_path)), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"mbtune: error: {message}") and err.count("\n") == 1
+
+
+def test_a_run_without_a_plan_or_trials_is_one_line_and_exit_2(tmp_path, capsys):
+    no_plan = make_run(tmp_path / "a", [exact_row(512, 1, 8)])
+    assert main(["plan", str(no_plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mbtune: error: plan: the run's experiment has no plan section")
+    assert err.count("\n") == 1
+    failed = make_run(tmp_path / "b", [trial_row(512, 1, 8, status="error")],
+                      experiment=experiment(EXACT_PLAN))  # fmt: skip
+    assert main(["plan", str(failed)]) == 2
+    err = capsys.readouterr().err
+    assert "has no measured trial (status ok) to plan from" in err and err.count("\n") == 1
+    assert main(["plan", str(tmp_path / "nowhere")]) == 2
+    assert "is not an mbtune run directory" in capsys.readouterr().err
+
+
+def test_gradient_bytes_counts_the_model_on_the_meta_device():
+    pytest.importorskip("torch")
+    from mbtune.models.build import build_from_config
+    from mbtune.plan.model_bytes import gradient_bytes
+
+    model = parse_experiment(experiment({"samples": 1.0})).model
+    real = build_from_config(model).module
+    assert gradient_bytes(model) == 4 * sum(p.numel() for p in real.parameters())
+
+
+def test_the_fit_imports_neither_torch_nor_ray():
+    import subprocess
+
+    code = ("import sys, mbtune.plan; "
+            "assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_make_plan_takes_an_experiment_built_in_code(tmp_path):
+    run = exact_run(tmp_path)
+    exp = parse_experiment(experiment(EXACT_PLAN))
+    records = read_trials(run / "trials.csv").records
+    plan = make_plan(exp, records, grad_bytes=GRAD_BYTES, draws=50)
+    assert math.isclose(plan.rows[0].hours.value, 1e9 / plan.rows[0].samples_per_s.value / 3600)
+
+
+def test_mbtune_run_ends_with_the_plan_when_the_experiment_has_one(tmp_path, capsys, monkeypatch):
+    import types
+
+    from mbtune.runs.rundir import RunDir
+
+    run = exact_run(tmp_path / "runs")
+    received = []
+
+    class Outcome:
+        summary = {"status": "confident"}
+
+        def __init__(self, exp):
+            received.append(exp)
+            self.run = RunDir(run)
+
+        def best(self):
+            return [{"trial": "1"}]
+
+    search = types.ModuleType("mbtune.search")  # the search itself is not under test here
+    search.run_search = lambda exp, **kwargs: Outcome(exp)
+    search.resume_search = None
+    monkeypatch.setitem(sys.modules, "mbtune.search", search)
+    monkeypatch.setattr("mbtune.cluster.prepare_ray", lambda address: None)
+    monkeypatch.setattr("mbtune.plan.model_bytes.gradient_bytes", lambda model: GRAD_BYTES)
+    path = tmp_path / "e.yaml"
+    path.write_text(json.dumps(experiment(EXACT_PLAN)))
+    assert main(["run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert received[0].plan.samples == 1e9
+    assert "plan: 1e+09 samples on 8, 64, 256 devices" in out and "  fastest: " in out
+    # without a plan section: no plan block
+    path.write_text(json.dumps({**experiment(EXACT_PLAN), "plan": None}))
+    assert main(["run", str(path)]) == 0
+    assert "plan:" not in capsys.readouterr().out
+
+
+def test_the_plan_as_a_data_frame(tmp_path):
+    plan = plan_of(exact_run(tmp_path, micro={"min": 1, "max": 16}))
+    frame = plan.as_frame()
+    assert list(frame["num_devices"]) == [8, 64, 256]
+    assert list(frame.columns[:4]) == [
+        "num_devices", "batch_size", "micro_batch_size", "activation_checkpointing"
+    ]  # fmt: skip
+    for key in ("samples_per_s", "hours", "device_hours", "cost"):
+        assert (frame[f"{key}_low"] <= frame[key]).all() and (
+            frame[key] <= frame[f"{key}_high"]
+        ).all()
+    assert frame["cost"].tolist() == [r.cost.value for r in plan.rows]
+
+
+# -- nccl-tests outputs as the tiers ------------------------------------------------
+
+
+def nccl_output(hosts: int, per_host: int, busbw_largest: float, time_smallest_us: float) -> str:
+    """An all_reduce_perf output as nccl-tests 2.x prints it."""
+    ranks = [
+        f"#  Rank {h * per_host + d:2d} Group  0 Pid {100 + d} on node-{h} device  {d} "
+        "[0x18] NVIDIA H100 80GB HBM3"
+        for h in range(hosts)
+        for d in range(per_host)
+    ]
+    return "\n".join([
+        "# nThread 1 nGpus 1 minBytes 8 maxBytes 8589934592 step: 2(factor) warmup iters: 5",
+        "#", "# Using devices", *ranks, "#",
+        "#                                                              out-of-place"
+        "                       in-place",
+        "#       size         count      type   redop    root     time   algbw   busbw "
+        " #wrong     time   algbw   busbw  #wrong",
+        "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)"
+        "             (us)  (GB/s)  (GB/s)",
+        f"           8             2     float     sum      -1  {time_smallest_us:7.2f}"
+        "    0.00    0.00       0    30.01    0.00    0.00       0",
+        "     1048576        262144     float     sum      -1    40.00   26.21   45.87"
+        "       0    40.00   26.21   45.87       0",
+        f"  8589934592    2147483648     float     sum      -1  40000.0  214.75  {busbw_largest}"
+        "       0  40000.0  214.75  999.00       0",
+        "# Out of bounds values : 0 OK",
+        f"# Avg bus bandwidth    : {busbw_largest / 2}",
+    ])  # fmt: skip
+
+
+def test_the_tiers_are_read_from_nccl_tests_outputs(tmp_path, monkeypatch):
+    (tmp_path / "one-node.txt").write_text(nccl_output(1, 8, 360.5, 28.0))
+    (tmp_path / "two-nodes.txt").write_text(nccl_output(2, 8, 320.0, 600.0))
+    run = exact_run(tmp_path / "runs", plan={"samples": 1e9, "num_devices": [64]}, devices=(1,))
+    monkeypatch.chdir(tmp_path)  # --set paths are the user's: from the current directory
+    base = plan_of(run)
+    read = plan_of(run, "plan.nccl_tests=[one-node.txt, two-nodes.txt]")
+    assert "plan.intra_node from nccl-tests one-node.txt (8 ranks on 1 host: 360.5 GB/s, " \
+        "2.0 us a hop)" in read.link_basis  # fmt: skip
+    # across nodes: 320 GB/s of bus bandwidth over 8 devices a node is 40 GB/s each
+    assert "plan.inter_node from nccl-tests two-nodes.txt (16 ranks on 2 hosts: 40.0 GB/s" in (
+        read.link_basis
+    )
+    assert (
+        read.rows[0].samples_per_s.value < base.rows[0].samples_per_s.value
+    )  # 40 < 45 GB/s, 20 > 10 us
+    # measured: the spread is 0.1, not the defaults' 0.3
+    width = read.rows[0].samples_per_s.high / read.rows[0].samples_per_s.low
+    assert width < base.rows[0].samples_per_s.high / base.rows[0].samples_per_s.low
+    # a tier's own keys win over the file
+    mine = plan_of(run, "plan.nccl_tests=two-nodes.txt", "plan.inter_node.bandwidth=45GB",
+                   "plan.inter_node.latency_us=10", "plan.inter_node.uncertainty=0.3")  # fmt: skip
+    assert mine.rows[0].samples_per_s == base.rows[0].samples_per_s
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (["a.txt", "a.txt"], r"a\.txt and a\.txt both measured the intra_node tier"),
+        (["missing.txt"], r"cannot read .*missing\.txt: "),
+        (["junk.txt"], r".*junk\.txt holds no all_reduce_perf results"),
+    ],
+)
+def test_an_nccl_tests_output_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, files,
+                                                             message):  # fmt: skip
+    (tmp_path / "a.txt").write_text(nccl_output(1, 4, 300.0, 20.0))
+    (tmp_path / "junk.txt").write_text("size busbw\n1 2 3\n")
+    run = exact_run(tmp_path / "runs", plan={"samples": 1e9, "num_devices": [64]}, devices=(1,))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MbtuneError, match=rf"^plan\.nccl_tests: {message}"):
+        plan_of(run, f"plan.nccl_tests={json.dumps(files)}")
+
+
+def test_a_device_count_without_a_configuration_is_said_and_none_at_all_is_one_line(tmp_path):
+    run = exact_run(tmp_path)
+    plan = plan_of(run, "plan.num_devices=[8, 1024]")
+    assert [r.config.num_devices for r in plan.rows] == [8]
+    assert plan.skipped == (
+        (1024, "the search space holds no configuration at 1024 devices: its batch_size "
+               "cannot be split over 1024"),
+    )  # fmt: skip
+    with pytest.raises(MbtuneError, match=r"^plan\.num_devices: no planned device count has a "):
+        plan_of(run, "plan.num_devices=[1024]")

@@ -1,0 +1,165 @@
+"""`mbtune watch RUN_DIR`: a run directory followed as it is written, row by row; the end
+of a live replay search; a bad path."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+import types
+from pathlib import Path
+
+import pytest
+from rundirs import make_run, recommendation_record, trial_row
+from test_interrupts import MBTUNE, experiment
+
+from mbtune.analysis import watch as watch_module
+from mbtune.analysis.watch import Watcher, watch
+from mbtune.cli import main
+from mbtune.runs.rundir import RunDir
+
+
+def test_a_path_that_is_not_a_run_directory_exits_2_with_one_line(tmp_path, capsys):
+    for path in (tmp_path / "missing", tmp_path):
+        assert main(["watch", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"mbtune: error: RUN_DIR: {path} is not an mbtune run directory (it has no "
+            "experiment.yaml)\n"
+        )
+
+
+def test_the_interval_reaches_watch(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(watch_module, "watch", lambda run, **kw: seen.update(run=run, **kw) or 0)
+    assert main(["watch", str(tmp_path), "--interval", "0.25"]) == 0
+    assert seen == {"run": str(tmp_path), "interval_s": 0.25}
+    with pytest.raises(Exception, match=r"--interval: must be a number of seconds above 0"):
+        watch(tmp_path, interval_s=0)
+
+
+def empty_run(tmp_path: Path) -> RunDir:
+    return RunDir(make_run(tmp_path, []))
+
+
+def test_each_appended_row_is_an_update_and_a_torn_one_is_none(tmp_path):
+    run = empty_run(tmp_path)
+    w = Watcher(run.path)
+    assert w.poll() == [
+        f"mbtune watch: handmade in {run.path}",
+        "no recommendation yet: no trial has run successfully",
+        "trials      [..............................] 0 of 20",
+        "confidence  [..............................] 0 of target 90",
+    ]
+    assert w.poll() is None  # nothing changed: nothing to show
+    run.append_trial({"trial": 1, "trial_id": "t1", **trial_row(32, 1, 4, 300.0)})
+    assert w.poll()[2:] == [
+        "trials      [##............................] 1 of 20",
+        "confidence  [..............................] 0 of target 90",
+        "best configurations:",
+        "  rank  num_devices  batch_size  micro_batch_size  grad_accum   samples/s  looks",
+        "     1            1          32                 4           8       300.0      1",
+    ]
+    run.append_recommendation(recommendation_record(1, 1, 4, 32, 300.0, 10))
+    assert w.poll()[1] == (
+        "mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 1, batch_size: 32), "
+        "estimated performance: 3.00x base, confidence score: 10 (out of 100)"
+    )
+    with run.trials_file.open("a") as f:  # a driver killed while writing a row
+        f.write("2,t2,ok,32,2,8")
+    assert w.poll() is None  # the one reader never reads a torn row
+    run.append_trial({"trial": 2, "trial_id": "t2", **trial_row(32, 2, 8, status="oom")})
+    assert w.poll()[2] == "trials      [###...........................] 2 of 20 (1 not ok)"
+    assert not w.ended
+    run.write_json("summary.json", {"status": "finished"})
+    assert w.poll()[-1] == f"the run has ended (finished): {run.path / 'summary.json'}"
+    assert w.ended
+
+
+def follow(tmp_path, monkeypatch, steps, *, tty=False):
+    """watch() on a run directory that each poll's sleep writes one step further."""
+    run = empty_run(tmp_path)
+    todo = [lambda: None, *steps(run)]
+
+    def sleep(seconds):
+        assert seconds == 0.5
+        todo.pop(0)()
+
+    monkeypatch.setattr(watch_module, "time", types.SimpleNamespace(sleep=sleep))
+    out = io.StringIO()
+    out.isatty = lambda: tty  # type: ignore[method-assign]
+    code = watch(run.path, interval_s=0.5, out=out)
+    return code, out.getvalue(), todo
+
+
+def writes(run):
+    return [
+        lambda: run.append_trial({"trial": 1, "trial_id": "t1", **trial_row(32, 1, 4, 300.0)}),
+        lambda: run.append_recommendation(recommendation_record(1, 1, 4, 32, 300.0, 10)),
+        lambda: run.trials_file.open("a").close(),  # touched, nothing new
+        lambda: run.write_json("summary.json", {"status": "confident"}),
+    ]
+
+
+def test_off_a_terminal_a_plain_update_is_printed_only_when_something_changed(
+    tmp_path, monkeypatch
+):
+    code, out, todo = follow(tmp_path, monkeypatch, writes)
+    assert code == 0 and todo == []  # ended once summary.json was written
+    views = out.split("\n\n")
+    assert views[-1] == "" and len(views) == 5  # first view, row, recommendation, the end
+    assert [v.splitlines()[2][-7:] for v in views[:-1]] == ["0 of 20", "1 of 20", "1 of 20",
+                                                            "1 of 20"]  # fmt: skip
+    assert "\x1b" not in out
+    assert views[-2].endswith("the run has ended (confident): " + str(
+        next(tmp_path.glob("*/summary.json"))))  # fmt: skip
+
+
+def test_on_a_terminal_the_view_is_redrawn_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # no line wraps
+    code, out, _ = follow(tmp_path, monkeypatch, writes, tty=True)
+    assert code == 0
+    draws = out.split("\x1b[")
+    assert len(draws) == 1 + 2 * 3  # three redraws, each: up to the first row, clear
+    first = draws[0].splitlines()
+    assert draws[1] == f"{len(first)}F" and draws[2].startswith("J")
+
+
+def test_ctrl_c_ends_it_with_0_and_nothing_more(tmp_path, monkeypatch):
+    def interrupt(run):
+        def press():
+            raise KeyboardInterrupt
+
+        return [press]
+
+    code, out, _ = follow(tmp_path, monkeypatch, interrupt)
+    assert code == 0 and out.count("mbtune watch: ") == 1 and out.endswith("\n\n")
+
+
+@pytest.mark.slow
+def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys):
+    search = subprocess.Popen(
+        [MBTUNE, "run", str(experiment(tmp_path))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").glob("sig-*/experiment.yaml")):
+            assert time.monotonic() < deadline and search.poll() is None, "no run directory"
+            time.sleep(0.05)
+        run = next((tmp_path / "runs").glob("sig-*"))
+        assert not (run / "summary.json").exists()  # it follows a live run
+        assert main(["watch", str(run), "--interval", "0.1"]) == 0
+        out = capsys.readouterr().out
+        stream, err = search.communicate(timeout=120)
+    finally:
+        search.kill()
+    assert search.returncode == 0, err[-2000:]
+    streamed = [x for x in stream.splitlines() if "recommended micro_batch_size:" in x]
+    views = [v.splitlines() for v in out.split("\n\n") if v]
+    assert views[-1][1] == streamed[-1]  # the final recommendation, as the stream said it
+    assert views[-1][2].endswith("] 11 of 20 (2 not ok)")  # every configuration once
+    summary = json.loads((run / "summary.json").read_text())
+    assert views[-1][-1].startswith(f"the run has ended ({summary['status']})")
+    assert len(views) > 1  # it showed the run before it ended
