@@ -307,16 +307,27 @@ RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "memory": "memory"}
 """mbtune's names of a trial's resources, and Ray's."""
 
 
-def short_of(need: dict[str, float], have: dict[str, float]) -> str | None:
-    """What a cluster with ``have`` (Ray's totals) lacks to hold one trial that needs
-    ``need`` (mbtune's names), in words, or None where it could hold one."""
-    short = [
-        f"{amount:g} {name.upper() if name != 'memory' else 'bytes of memory'} "
-        f"(the cluster has {have.get(RESOURCE_NAMES[name], 0):g})"
-        for name, amount in need.items()
-        if amount > 0 and have.get(RESOURCE_NAMES[name], 0) < amount
-    ]
-    return ", ".join(short) or None
+def short_of(need: dict[str, float], nodes: list[dict[str, float]]) -> str | None:
+    """What the alive ``nodes`` (each node's resources, Ray's names) lack to hold one trial
+    that needs ``need`` (mbtune's names) on one of them, in words; None where one can."""
+
+    def lacks(have: dict[str, float]) -> list[str]:
+        return [name for name, amount in need.items()
+                if amount > 0 and have.get(RESOURCE_NAMES[name], 0) < amount]  # fmt: skip
+
+    if any(not lacks(have) for have in nodes):
+        return None
+    most = {
+        key: max((have.get(key, 0) for have in nodes), default=0) for key in RESOURCE_NAMES.values()
+    }
+    return (
+        ", ".join(
+            f"{need[name]:g} {name.upper() if name != 'memory' else 'bytes of memory'} "
+            f"(no node has more than {most[RESOURCE_NAMES[name]]:g})"
+            for name in lacks(most)
+        )
+        or "one node with all of it"
+    )
 
 
 @contextlib.contextmanager
@@ -324,14 +335,14 @@ def watch_resources(
     cluster: str | None,
     need: dict[str, float],
     wait_s: float,
-    on_short: Callable[[str], None],
+    on_short: Callable[[str], bool],
     *,
     every_s: float = 1.0,
 ) -> Iterator[None]:
     """While the block runs on a cluster: should the cluster's nodes together stop having
     what one trial ``need``s (the nodes that had it went away) for ``wait_s`` seconds,
-    call ``on_short`` with what is missing, once, from a thread of its own. An embedded
-    Ray never loses a node: nothing is watched."""
+    call ``on_short`` with what is missing, from a thread of its own, until it says it
+    acted (True). An embedded Ray never loses a node: nothing is watched."""
     if cluster is None:
         yield
         return
@@ -343,15 +354,15 @@ def watch_resources(
         short_since = None
         while not done.wait(every_s):
             try:
-                missing = short_of(need, ray.cluster_resources())
+                alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+                missing = short_of(need, alive)
             except Exception:  # noqa: BLE001 - the head watch speaks for a silent cluster
                 continue
             if missing is None:
                 short_since = None
                 continue
             short_since = short_since or time.monotonic()
-            if time.monotonic() - short_since >= wait_s:
-                on_short(missing)
+            if time.monotonic() - short_since >= wait_s and on_short(missing):
                 return
 
     thread = threading.Thread(target=watch, name="mbtune-resource-watch", daemon=True)

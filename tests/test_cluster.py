@@ -467,10 +467,14 @@ def test_an_address_from_ray_address_is_named_so_in_errors(monkeypatch, tmp_path
 
 def test_short_of_names_what_no_node_has_any_more():
     need = {"cpu": 2.0, "gpu": 1.0}
-    assert short_of(need, {"CPU": 8.0, "GPU": 1.0}) is None
-    assert short_of(need, {"CPU": 1.0, "GPU": 1.0}) == "2 CPU (the cluster has 1)"
-    assert short_of(need, {"CPU": 4.0}) == "1 GPU (the cluster has 0)"
-    assert short_of({"cpu": 0, "gpu": 0, "memory": 1}, {"memory": 5e9}) is None
+    assert short_of(need, [{"CPU": 8.0, "GPU": 1.0}]) is None
+    assert short_of(need, [{"CPU": 1.0, "GPU": 1.0}]) == "2 CPU (no node has more than 1)"
+    assert short_of(need, [{"CPU": 4.0}]) == "1 GPU (no node has more than 0)"
+    # two CPUs in the cluster, but on two nodes: a trial is placed on one node
+    assert short_of({"cpu": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}]) == "2 CPU (no node has more than 1)"
+    # each part somewhere, never together
+    assert short_of(need, [{"CPU": 4.0}, {"CPU": 1.0, "GPU": 1.0}]) == "one node with all of it"
+    assert short_of({"cpu": 0, "gpu": 0, "memory": 1}, [{"memory": 5e9}]) is None
 
 
 @pytest.mark.slow
@@ -497,7 +501,7 @@ def test_a_search_whose_only_node_that_fits_a_trial_is_lost_stops_cleanly_and_re
     assert code == 130, held.err()[-3000:]
     assert said == [
         "mbtune: the Ray cluster has had no node with what one trial needs (2 CPU "
-        "(the cluster has 1)) for 3 s; stopping the search"
+        "(no node has more than 1)) for 3 s; stopping the search"
     ], held.out()[-3000:]
     assert "Traceback" not in held.err()
     run = RunDir(held.run_dir())
@@ -508,7 +512,7 @@ def test_a_search_whose_only_node_that_fits_a_trial_is_lost_stops_cleanly_and_re
     assert summary["status"] == "interrupted"
     assert (
         summary["reason"]
-        == "the Ray cluster no longer had what one trial needs: 2 CPU (the cluster has 1)"
+        == "the Ray cluster no longer had what one trial needs: 2 CPU (no node has more than 1)"
     )
     # resume where a trial fits (here an embedded Ray of this machine's two CPUs)
     held.release()

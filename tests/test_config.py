@@ -442,6 +442,7 @@ RULES = [
     (TrialConfig, dict(parallel="fsdp")),
     (TrialConfig, dict(sharding="zero3")),
     (TrialConfig, dict(sharding="fsdp")),
+    (TrialConfig, dict(sharding="fsdp", parallel="ddp", precision="fp16", device="cuda")),
     (TrialConfig, dict(sharding="fsdp", parallel="ddp", backend="replay", table=Path("t"))),
     (TrialConfig, dict(compile="yes")),
     (TrialConfig, dict(compile_mode="fast")),

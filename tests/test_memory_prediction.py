@@ -121,20 +121,33 @@ def test_a_missing_experiment_exits_2_with_one_line(tmp_path, capsys):
 
 def test_the_prediction_is_within_15_percent_of_a_measured_trial(tmp_path):
     """One process on the CPU (its peak the process's high-water mark), a gpt of 8M
-    parameters: states of 127 MiB over a baseline of 314 MiB. The ddp figures, 2 gloo
-    workers, sharded and not, are bench/memory_prediction.py's (docs/benchmarks.md)."""
+    parameters: states of 127 MiB over the process's own memory. That baseline is what
+    the prediction takes as measured (CPU_PROCESS_BASELINE_BYTES, on the machine that
+    measured it): here it is measured again, as the bench measures it (the peak of a trial
+    of a tiny gpt), so that the test holds the states' prediction wherever it runs. The ddp
+    figures, 2 gloo workers, sharded and not, are bench/memory_prediction.py's."""
+
+    def measure(model: dict, name: str) -> int:
+        experiment = raw(model, warmup_steps=1, measure_steps=2)
+        experiment["train_input"] = {"batch_size": 8, "micro_batch_size": 2, "num_devices": 2}
+        (tmp_path / name).mkdir()
+        path = write(tmp_path / name, experiment)
+        done = subprocess.run(
+            [sys.executable, "-m", "mbtune", "trial", str(path), "--json"],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120, check=True,
+        )  # fmt: skip
+        return json.loads(done.stdout.splitlines()[-1])["peak_memory_bytes"]
+
     gpt = {"name": "gpt", "n_layer": 4, "d_model": 384, "n_head": 4, "seq_len": 64,
            "vocab_size": 2048}  # fmt: skip
+    tiny = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
+            "vocab_size": 64}  # fmt: skip
+    peak, baseline = measure(gpt, "gpt"), measure(tiny, "tiny")
     experiment = raw(gpt, warmup_steps=1, measure_steps=2)
     experiment["train_input"] = {"batch_size": 8, "micro_batch_size": 2, "num_devices": 2}
-    path = write(tmp_path, experiment)
-    measured = subprocess.run(
-        [sys.executable, "-m", "mbtune", "trial", str(path), "--json"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=True,
-    )  # fmt: skip
-    peak = json.loads(measured.stdout.splitlines()[-1])["peak_memory_bytes"]
     predicted = predict_memory(parse_experiment(experiment), BatchConfig(8, 2, 2))
-    assert predicted.peak_memory_bytes / peak == pytest.approx(1, abs=0.15)
+    states = predicted.peak_memory_bytes - predicted.process_baseline_bytes
+    assert (states + baseline) / peak == pytest.approx(1, abs=0.15)
 
 
 def test_predicting_allocates_no_model_memory():

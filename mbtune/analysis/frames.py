@@ -28,8 +28,9 @@ from mbtune.config.schema import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
 from mbtune.report import recommended_line, sizes, step_suffix
-from mbtune.runs.load import SUMMARY_FILE, RunInfo
+from mbtune.runs.load import RunInfo
 from mbtune.runs.record import CONFIG_KEY, SIZES
+from mbtune.runs.rundir import SUMMARY_FILE
 
 __all__ = [
     "FORMATS",

@@ -29,9 +29,8 @@ from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.report import stream_line
-from mbtune.runs.load import SUMMARY_FILE
 from mbtune.runs.record import TrialRecord
-from mbtune.runs.rundir import RunDir, read_trials
+from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
 
 __all__ = ["RunView", "Watcher", "view_lines", "watch"]
 

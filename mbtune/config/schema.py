@@ -447,6 +447,14 @@ class TrialConfig:
                 f"fsdp shards the model over real workers, and {runs}; set trial.parallel: "
                 "ddp with trial.backend: torch, or sharding: none",
             )
+        if self.sharding == "fsdp" and self.precision == "fp16":
+            # fp16's gradient scaler must agree on an overflow across the shards, which the
+            # trial's plain GradScaler does not
+            raise ConfigError(
+                "trial.precision",
+                "fp16 with trial.sharding: fsdp is not measured (its gradient scaler would "
+                "not agree across the shards); use bf16, or sharding: none",
+            )
         if self.drift and self.table is None:
             raise ConfigError(
                 "trial.drift",

@@ -32,11 +32,10 @@ from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.runs import record
 from mbtune.runs.record import TrialRecord
-from mbtune.runs.rundir import RunDir, read_trials
+from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
 
 __all__ = [
     "COLUMNS",
-    "SUMMARY_FILE",
     "RunInfo",
     "load_recommendations",
     "load_run",
@@ -52,8 +51,6 @@ try:
     _TEXT: Any = pd.StringDtype(na_value=np.nan)  # what pandas 3 calls "str"; missing: NaN
 except TypeError:  # pandas < 2.3
     _TEXT = object
-
-SUMMARY_FILE = "summary.json"
 
 
 # ---------------------------------------------------------------------------

@@ -30,7 +30,10 @@ from mbtune.errors import MbtuneError
 from mbtune.lattice import LatticeError
 from mbtune.runs.record import CSV_COLUMNS, SIZES, TrialRecord, cell
 
-__all__ = ["TRIAL_COLUMNS", "RunDir", "Trials", "read_trials"]
+__all__ = ["SUMMARY_FILE", "TRIAL_COLUMNS", "RunDir", "Trials", "read_trials"]
+
+SUMMARY_FILE = "summary.json"
+"""The end of a run: written once, when the search ends (atomically); none while it runs."""
 
 TRIAL_COLUMNS = CSV_COLUMNS
 """The columns of trials.csv: mbtune.runs.record says what each holds."""
@@ -122,9 +125,11 @@ class RunDir:
         return [{c: row.get(c, "") for c in read.header} for row in rows]
 
     def append_recommendation(self, record: Mapping[str, Any]) -> None:
-        """Append one recommendation record and flush it to disk before returning."""
+        """Append one recommendation record and flush it to disk before returning; a line
+        a killed driver left without its end is ended first, so it cannot swallow this one."""
+        torn = self.recommendations_file.is_file() and not _ends_a_line(self.recommendations_file)
         with self.recommendations_file.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(dict(record)) + "\n")
+            f.write(("\n" if torn else "") + json.dumps(dict(record)) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -249,7 +254,17 @@ def read_trials(path: Path) -> Trials:
             continue
         try:
             records.append(TrialRecord.from_row(dict(zip(header, fields, strict=True))))
-        except (ValueError, LatticeError):
+        except (ValueError, OverflowError, LatticeError):
             continue  # no trial number, or sizes that are no configuration
     torn = bool(text[len(whole) :].strip())
     return Trials(header, tuple(records), len(body) - len(records) + torn)
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether ``path`` is empty or its last byte ends a line."""
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"

@@ -26,7 +26,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line
 from mbtune.runs.record import TrialRecord
-from mbtune.runs.rundir import TRIAL_COLUMNS, RunDir
+from mbtune.runs.rundir import SUMMARY_FILE, TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import settled, unpack_result
 from mbtune.search._study import publish_recommendation
 
@@ -312,7 +312,7 @@ def head_lost(cluster: str, run: RunDir, reporter: Reporter, silent_s: float) ->
         rows = run.records()
         summary = reporter.summary(rows, "interrupted", run.recommendations())
         summary["reason"] = f"the Ray cluster's head node ({cluster}) went away"
-        run.write_json("summary.json", summary)
+        run.write_json(SUMMARY_FILE, summary)
         sys.stdout.flush()
         print(
             f"mbtune: error: the Ray cluster's head node ({cluster}) has not answered for "

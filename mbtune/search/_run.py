@@ -30,7 +30,7 @@ from mbtune.recommend.reporter import Reporter
 from mbtune.report import summary_lines
 from mbtune.runs.lock import RunLock
 from mbtune.runs.record import TrialRecord
-from mbtune.runs.rundir import RunDir
+from mbtune.runs.rundir import SUMMARY_FILE, RunDir
 from mbtune.search._ledger import (
     ConfidenceStop,
     TrialLog,
@@ -97,41 +97,43 @@ def run_search(
     cluster = start_ray(exp, address, dashboard, verbose, say)
     run = RunDir.create(exp.output_dir, exp.name)
     lock = RunLock.take(run.path, command="mbtune run")  # a --resume of it waits its turn
-    run.write_experiment(exp.to_dict())
-    s = exp.search
-    model = _model_for(exp, points)
-    searcher = _searcher_for(exp, model, run, say)
-    if earlier is not None:
-        told = _warm_start(searcher, earlier, exp, points)
-        say(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
-    say(
-        f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
-        f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
-    )
-    reporter = _reporter_for(exp, model)
-    log = TrialLog(run, say, reporter, target=s.confidence_target, max_repeats=s.max_repeats)
-    tuner = tune.Tuner(
-        _trainable_for(exp),
-        tune_config=tune.TuneConfig(
-            search_alg=searcher,
-            num_samples=s.num_samples,
-            max_concurrent_trials=exp.ray.max_concurrent_trials,
-            time_budget_s=s.time_budget_s,
-            # isolation comes from the child process (or, for ddp, the Ray Train workers),
-            # not the actor; a ddp trial's actor owns its workers, so it ends with its trial
-            reuse_actors=exp.trial.parallel != "ddp",
-        ),
-        run_config=tune.RunConfig(
-            name=RAY_DIR,
-            storage_path=str(run.path.resolve()),
-            verbose=1 if verbose else 0,
-            # Tune's own per-trial result.json and progress.csv (see cluster.init_ray)
-            callbacks=[TrialProgress(), log, JsonLoggerCallback(), CSVLoggerCallback()],
-            stop=ConfidenceStop(log),
-            failure_config=tune.FailureConfig(max_failures=0),
-        ),
-    )
     try:
+        run.write_experiment(exp.to_dict())
+        s = exp.search
+        model = _model_for(exp, points)
+        # what Ray pickles names the directory whole: a resume may start anywhere
+        kept = RunDir(run.path.absolute())
+        searcher = _searcher_for(exp, model, kept, say)
+        if earlier is not None:
+            told = _warm_start(searcher, earlier, exp, points)
+            say(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
+        say(
+            f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
+            f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
+        )
+        reporter = _reporter_for(exp, model)
+        log = TrialLog(kept, say, reporter, target=s.confidence_target, max_repeats=s.max_repeats)
+        tuner = tune.Tuner(
+            _trainable_for(exp),
+            tune_config=tune.TuneConfig(
+                search_alg=searcher,
+                num_samples=s.num_samples,
+                max_concurrent_trials=exp.ray.max_concurrent_trials,
+                time_budget_s=s.time_budget_s,
+                # isolation comes from the child process (or, for ddp, the Ray Train workers),
+                # not the actor; a ddp trial's actor owns its workers, so it ends with its trial
+                reuse_actors=exp.trial.parallel != "ddp",
+            ),
+            run_config=tune.RunConfig(
+                name=RAY_DIR,
+                storage_path=str(run.path.resolve()),
+                verbose=1 if verbose else 0,
+                # Tune's own per-trial result.json and progress.csv (see cluster.init_ray)
+                callbacks=[TrialProgress(), log, JsonLoggerCallback(), CSVLoggerCallback()],
+                stop=ConfidenceStop(log),
+                failure_config=tune.FailureConfig(max_failures=0),
+            ),
+        )
         return _fit(tuner, run, exp, reporter, say, cluster)
     finally:
         lock.release()
@@ -149,19 +151,20 @@ def resume_search(
 
     run = RunDir.open(path, flag="--resume")
     lock = RunLock.take(run.path, command="mbtune run --resume")  # before anything is written
-    exp = load_experiment(run.experiment_file)
-    state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
-    if not tune.Tuner.can_restore(str(state)):
-        raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
-    cluster = start_ray(exp, address, dashboard, verbose, print_line)
-    print_line(f"mbtune: resuming {run.path}")  # the searcher says what it kept, once restored
-    reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
-    # the searcher, the callbacks and the stopper come back with Ray's saved state; they
-    # read what finished since from the run directory
-    tuner = tune.Tuner.restore(
-        str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
-    )
     try:
+        exp = load_experiment(run.experiment_file)
+        state = (run.path / RAY_DIR).resolve()  # Tune reads a relative path as a bad URI
+        if not tune.Tuner.can_restore(str(state)):
+            raise MbtuneError(f"--resume: {run.path} holds no Ray experiment state to continue")
+        (run.path / SUMMARY_FILE).unlink(missing_ok=True)  # the run goes on: no end to read yet
+        cluster = start_ray(exp, address, dashboard, verbose, print_line)
+        print_line(f"mbtune: resuming {run.path}")  # the searcher says what it kept, once restored
+        reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
+        # the searcher, the callbacks and the stopper come back with Ray's saved state; they
+        # read what finished since from the run directory
+        tuner = tune.Tuner.restore(
+            str(state), trainable=_trainable_for(exp), resume_unfinished=True, restart_errored=False
+        )
         return _fit(tuner, run, exp, reporter, print_line, cluster)
     finally:
         lock.release()
@@ -177,11 +180,14 @@ def _fit(
     lost = functools.partial(head_lost, cluster, run, reporter)
     gone: list[str] = []  # what the cluster no longer has for one trial, once it stopped
 
-    def short(missing: str) -> None:
+    def short(missing: str) -> bool:
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            return False  # Tune is not listening yet: its default would end the process
         gone.append(missing)
         echo(f"mbtune: the Ray cluster has had no node with what one trial needs ({missing}) "
              f"for {exp.ray.resource_wait_s:g} s; stopping the search")  # fmt: skip
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for a Ctrl-C
+        return True
 
     fail_interrupted(run.optuna_url)  # a trial a killed driver left running in the study
     with (
@@ -207,7 +213,7 @@ def _fit(
         s = exp.search
         reason = one_look_reason(max_repeats=s.max_repeats, noise_floor=exp.noise_floor)
         summary["measured_once_because"] = reason or "the search ended before a second look"
-    run.write_json("summary.json", summary)
+    run.write_json(SUMMARY_FILE, summary)
     if status == "confident":
         echo(f"mbtune: stopping: the confidence score reached its target {target}")
     if status == "interrupted":

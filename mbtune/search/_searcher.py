@@ -397,8 +397,9 @@ class MbtuneSearcher(Searcher):
             value = float(record.objective or 0.0)
             # a trial Ray saved as running had finished: it is no longer in flight, and
             # the proposer that asked for it is told (once: its study may know already)
-            _, inner_id = self.running.pop(record.trial_id or "", (None, None))
-            self._observe(record.trial_id or "", config, config, record, value)
+            point, inner_id = self.running.pop(record.trial_id or "", (None, None))
+            # the point proposed and the one measured (halved on out of memory) are both done
+            self._observe(record.trial_id or "", point or config, config, record, value)
             if inner_id is not None:
                 self.inner.on_trial_complete(inner_id, {METRIC: value, **record_attrs(record)})
             else:

@@ -275,7 +275,10 @@ def _timed_steps(
         params = [p for p in module.parameters() if p.requires_grad]
         dtype = params[0].dtype if params else torch.float32
         itemsize = torch.empty((), dtype=dtype).element_size()
-        flat = torch.zeros(grad_bytes // itemsize, dtype=dtype, device=device)
+        if group.sharded:  # unit by unit: a buffer of the whole model may not fit
+            flat = group.timing_buffer(dtype, device)
+        else:
+            flat = torch.zeros(grad_bytes // itemsize, dtype=dtype, device=device)
         for _ in range(tr.measure_steps):
             group.agree(None)  # a barrier: every rank starts the all-reduce together
             comm.append(timed(lambda: group.sync_gradients(flat)))

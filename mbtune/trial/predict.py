@@ -9,8 +9,9 @@ tensors: ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) gives every tens
 shape, dtype and size and no storage. With ``trial.sharding: fsdp`` the model is cut with
 the trial's own units and FSDP2 ``fully_shard`` over a process group of N ranks made with
 torch's ``fake`` backend, which does no communication: it is public in torch 2.13
-(``torch.distributed.Backend.FAKE``, registered by ``import torch.distributed``; older
-versions registered it only from ``torch.testing._internal``). The bytes are counted by
+(``torch.distributed.Backend.FAKE``, registered once ``torch.distributed.fsdp`` is
+imported, which this module does first; older versions registered it only from
+``torch.testing._internal``). The bytes are counted by
 torch's memory trackers, ``FSDPMemTracker`` (sharding: fsdp) and ``MemTracker`` (none),
 from ``torch.distributed._tools``: a private package, but the only tools that follow
 every tensor of a step by the part it belongs to (parameters, gradients, optimizer state,
@@ -410,6 +411,8 @@ def _fake_group(world_size: int) -> Iterator[Any]:
             "mbtune memory runs rank 0 of N on a fake process group of its own, and this "
             "process already has a process group; predict from a process without one"
         )
+    import torch.distributed.fsdp  # noqa: F401  (registers torch 2.13's fake backend)
+
     if not hasattr(dist.Backend, "FAKE"):
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (torch < 2.10)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())

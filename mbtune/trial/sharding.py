@@ -70,7 +70,13 @@ class FullyShardedGroup(ProcessGroup):
 
         tr = self.trial
         policy = mixed_precision(resolve(tr.precision, device))
-        for unit in shard_units(module):
+        units = shard_units(module)
+        # what each unit's collectives move (the root holds what no block does): the sync
+        # is timed unit by unit, never with a buffer of the whole model
+        sizes = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
+        total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        self.unit_numels = [n for n in (*sizes, total - sum(sizes)) if n > 0]
+        for unit in units:
             if tr.compile:  # per block, as torchtitan: FSDP's hooks stay outside the graphs
                 unit.compile(mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
             fully_shard(unit, mesh=self.mesh, mp_policy=policy or MixedPrecisionPolicy())
@@ -89,17 +95,27 @@ class FullyShardedGroup(ProcessGroup):
         finally:
             model.set_requires_gradient_sync(True)
 
-    def sync_gradients(self, tensor: Any) -> None:
-        """One step's bytes as FSDP moves them: an all-gather of the parameters and a
-        reduce-scatter of the gradients (together an all-reduce's traffic)."""
+    def timing_buffer(self, dtype: Any, device: Any) -> Any:
+        """A buffer for :meth:`sync_gradients`: the largest unit's elements, padded to a
+        multiple of the ranks (a rank never holds more of it at once in a step)."""
         import torch
+
+        n = self.world_size
+        return torch.zeros(-(-max(self.unit_numels) // n) * n, dtype=dtype, device=device)
+
+    def sync_gradients(self, tensor: Any) -> None:
+        """Once each unit's bytes as FSDP moves them, in ``tensor`` (:meth:`timing_buffer`):
+        an all-gather of its parameters and a reduce-scatter of its gradients (together an
+        all-reduce's traffic). A step with g micro-batches gathers 2g times: the plan
+        (mbtune.plan) counts the collectives of a step from these."""
         import torch.distributed as dist
 
         n = self.world_size
-        padded = torch.nn.functional.pad(tensor, (0, -tensor.numel() % n))
-        shard = padded.new_empty(padded.numel() // n)
-        dist.reduce_scatter_tensor(shard, padded)
-        dist.all_gather_into_tensor(padded, shard)
+        for numel in self.unit_numels:
+            whole = tensor[: -(-numel // n) * n]
+            shard = whole.new_empty(whole.numel() // n)
+            dist.reduce_scatter_tensor(shard, whole)
+            dist.all_gather_into_tensor(whole, shard)
 
 
 def mixed_precision(precision: str) -> Any:
@@ -122,7 +138,8 @@ def shard_units(module: Any) -> list[Any]:
     names = getattr(module, SHARD_BLOCKS_ATTR, None) or getattr(module, "_no_split_modules", None)
     if names:
         names = (names,) if isinstance(names, str) else tuple(names)
-        units = [m for m in module.modules() if m is not module and type(m).__name__ in names]
+        # FSDP shards a unit's children before the unit itself: post-order, inner first
+        units = [m for m in _post_order(module) if m is not module and type(m).__name__ in names]
         if not units:
             raise MbtuneError(
                 f"trial.sharding: {type(module).__name__} names its blocks "
@@ -188,3 +205,11 @@ def _whole_then_shard() -> Any:
             return func(*args, **kwargs)
 
     return WholeThenShard()
+
+
+def _post_order(module: Any) -> list[Any]:
+    """``module``'s submodules, each after its own children, siblings in their order."""
+    out = []
+    for child in module.children():
+        out += _post_order(child)
+    return [*out, module]
