@@ -269,7 +269,12 @@ def console() -> NoReturn:
     connected; it is shut down here (an embedded Ray's processes stop), and then the
     interpreter's own teardown, about a second spent on Ray's native threads, is skipped:
     every file is written and flushed by then."""
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader that stopped early (`| head`): nothing to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     if "ray" in sys.modules:
         import ray
 

@@ -403,3 +403,14 @@ def test_analyze_is_a_thin_shell_over_one_function(capsys, monkeypatch):
         (["a", "b"], {"fmt": "csv", "export": None, "plots": False}),
         (["a"], {"fmt": "table", "export": "hf", "plots": True}),
     ]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `mbtune plan RUN --json | head`: the pipe closes while mbtune still writes
+    code = "from mbtune import cli; cli.main = lambda: print('x' * 10**6) or 0; cli.console()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout.read(10) == b"x" * 10
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err
