@@ -281,26 +281,13 @@ def watch_head(cluster: str | None, on_lost: Callable[[float], None]) -> Iterato
     if cluster is None:
         yield
         return
-    give_up_after_s = _head_patience_s()
-    done = threading.Event()
 
-    def watch() -> None:
-        silent_since = None
-        while not done.wait(1.0):
-            if _answers(cluster):
-                silent_since = None
-                continue
-            silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since >= give_up_after_s:
-                on_lost(time.monotonic() - silent_since)
-                return
+    def silent() -> bool | None:
+        return None if _answers(cluster) else True
 
-    thread = threading.Thread(target=watch, name="mbtune-head-watch", daemon=True)
-    thread.start()
-    try:
+    with _watch("mbtune-head-watch", silent, _head_patience_s(),
+                lambda _, silent_s: on_lost(silent_s) or True):  # fmt: skip
         yield
-    finally:
-        done.set()
 
 
 RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "memory": "memory"}
@@ -348,24 +335,44 @@ def watch_resources(
         return
     import ray
 
+    def missing() -> str | None:
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        return short_of(need, alive)
+
+    with _watch("mbtune-resource-watch", missing, wait_s, lambda m, _: on_short(m), every_s):
+        yield
+
+
+@contextlib.contextmanager
+def _watch(
+    name: str,
+    probe: Callable[[], Any],
+    patience_s: float,
+    act: Callable[[Any, float], bool],
+    every_s: float = 1.0,
+) -> Iterator[None]:
+    """While the block runs, a thread of its own asks ``probe`` every ``every_s`` seconds;
+    once it has said something other than None for ``patience_s`` seconds on end, ``act``
+    is called with what it said last and for how long, until ``act`` says it acted. A
+    probe that raises has said nothing new (the head watch speaks for a silent cluster)."""
     done = threading.Event()
 
     def watch() -> None:
-        short_since = None
+        since = None
         while not done.wait(every_s):
             try:
-                alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-                missing = short_of(need, alive)
-            except Exception:  # noqa: BLE001 - the head watch speaks for a silent cluster
+                found = probe()
+            except Exception:  # noqa: BLE001 - see the docstring
                 continue
-            if missing is None:
-                short_since = None
+            if found is None:
+                since = None
                 continue
-            short_since = short_since or time.monotonic()
-            if time.monotonic() - short_since >= wait_s and on_short(missing):
+            since = since or time.monotonic()
+            waited = time.monotonic() - since
+            if waited >= patience_s and act(found, waited):
                 return
 
-    thread = threading.Thread(target=watch, name="mbtune-resource-watch", daemon=True)
+    thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
     try:
         yield
