@@ -1,7 +1,8 @@
 """mbtune: find the fastest batch size, micro-batch size and device count for a model.
 
 The package imports neither torch nor ray; the modules that need them import them when
-they are used. ``load_run`` and ``load_runs`` (mbtune.analysis.frames) import pandas on first use.
+they are used. ``load_run`` and ``load_runs`` (mbtune.runs.load) import pandas on first use,
+``load_plan`` (mbtune.plan.planner) pandas and scipy, and torch to count the model's bytes.
 """
 
 from typing import Any
@@ -11,10 +12,22 @@ from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 
-__all__ = ["BatchConfig", "Experiment", "MbtuneError", "load_experiment", "load_run", "load_runs"]
+__all__ = [
+    "BatchConfig",
+    "Experiment",
+    "MbtuneError",
+    "load_experiment",
+    "load_plan",
+    "load_run",
+    "load_runs",
+]
 __version__ = "0.1.0"
 
-_LAZY = {"load_run": "mbtune.runs.load", "load_runs": "mbtune.runs.load"}
+_LAZY = {
+    "load_run": "mbtune.runs.load",
+    "load_runs": "mbtune.runs.load",
+    "load_plan": "mbtune.plan.planner",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -12,10 +12,11 @@ from typing import Any, NoReturn
 
 from mbtune.config.experiment import Experiment
 from mbtune.config.load import load_experiment
+from mbtune.config.model_options import hf_model_type
 from mbtune.config.rules import ConfigError
 from mbtune.config.starter import DEVICES, write_starter
 from mbtune.errors import MbtuneError
-from mbtune.lattice import MODES, BatchConfig
+from mbtune.lattice import MODES, SETTINGS, BatchConfig
 from mbtune.report import experiment_lines, micro_batches, result_lines
 
 __all__ = ["main", "space_rows"]
@@ -199,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         "RUN_DIR/export-FRAMEWORK.*",
     )
     analyze.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    analyze.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="plan.KEY=VALUE",
+        action="append",
+        default=[],
+        help="plan the run (as mbtune plan does; the experiment's plan section, if any, "
+        "with this key set): the plan is printed and written to RUN_DIR/plan.csv and "
+        "plot-plan.png (repeatable; docs/plan.md)",
+    )
     analyze.set_defaults(handler=_analyze)
 
     plan = commands.add_parser(
@@ -302,7 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    path = write_starter(args.path, model=args.model, device=args.device, mode=args.mode)
+    size = None
+    if hf_model_type(args.model) is not None:  # a model whose size the starter cannot know
+        from mbtune.trial.predict import size_starter as size
+    path, sizing = write_starter(
+        args.path, model=args.model, device=args.device, mode=args.mode, size=size
+    )
+    for line in sizing.lines:
+        print(line)
     print(f"mbtune: wrote {path}; check it with: mbtune validate {path}")
     return 0
 
@@ -334,10 +352,11 @@ def check_user_model(exp: Experiment) -> None:
 
 
 def space_rows(exp: Experiment) -> list[dict[str, Any]]:
-    """One row per configuration of the experiment's space (activation_checkpointing only
-    where the space has it on)."""
+    """One row per configuration of the experiment's space (a setting of a step, such as
+    activation_checkpointing, only where some configuration has it off its default)."""
     configs = exp.configs()
-    checkpointing = any(c.activation_checkpointing for c in configs)
+    default = BatchConfig(1, 1, 1)
+    quiet = [k for k in SETTINGS if all(getattr(c, k) == getattr(default, k) for c in configs)]
     rows = []
     for c in configs:
         row = {
@@ -346,8 +365,8 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
             "strict": c.is_strict,
             "runs_as": c.canonical_micro_batch_size,
         }
-        if not checkpointing:
-            del row["activation_checkpointing"]
+        for key in quiet:
+            del row[key]
         rows.append(row)
     return rows
 
@@ -358,10 +377,7 @@ def _space(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment, args.overrides)
     rows = space_rows(exp)
     distinct = len(
-        {
-            (r["batch_size"], r["num_devices"], r["runs_as"], r.get("activation_checkpointing"))
-            for r in rows
-        }
+        {(r["batch_size"], r["num_devices"], r["runs_as"], *map(r.get, SETTINGS)) for r in rows}
     )
     if args.format == "json":
         print(json.dumps({"count": len(rows), "distinct": distinct, "configurations": rows}))
@@ -430,7 +446,13 @@ def _plan_block(run_dir: Any) -> None:
 def _analyze(args: argparse.Namespace) -> int:
     from mbtune.analysis.analyze import analyze
 
-    analyze(args.runs, fmt=args.format, export=args.export, plots=not args.no_plots)
+    analyze(
+        args.runs,
+        fmt=args.format,
+        export=args.export,
+        plots=not args.no_plots,
+        plan_overrides=args.overrides,
+    )
     return 0
 
 
@@ -524,9 +546,7 @@ def trial_config(
             raise
         raise ConfigError(flag, e.rule) from None
     assert own.config is not None  # an int m or none: the mode fixes m
-    return dataclasses.replace(
-        own.config, activation_checkpointing=exp.trial.activation_checkpointing
-    )
+    return own.config.with_settings(exp.trial.settings)
 
 
 if __name__ == "__main__":

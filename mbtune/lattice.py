@@ -15,17 +15,21 @@ allowed only where the mode or ``allow_uneven`` says so.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from mbtune.errors import MbtuneError
 
 __all__ = [
+    "GRAD_SYNCS",
     "MAX_CONFIGS",
     "MODES",
+    "SETTINGS",
     "BatchConfig",
+    "GradSync",
     "as_flag",
     "LatticeError",
     "bubble_fraction",
@@ -46,6 +50,17 @@ __all__ = [
 
 MODES = ("auto", "explore", "none")
 """The named micro-batch modes; a positive int is the fourth (explicit) mode."""
+
+GradSync = Literal["last", "every"]
+"""When a step's gradients are synchronised across the devices: ``last``, once, in the
+backward pass of its last micro-batch (the others accumulate locally: DDP's ``no_sync``,
+FSDP2's ``set_requires_gradient_sync(False)``), or ``every``, in each micro-batch's (with
+sharding, each micro-batch's gradients are reduce-scattered and freed: less memory for
+more traffic)."""
+GRAD_SYNCS: tuple[str, ...] = get_args(GradSync)
+
+SETTINGS = ("activation_checkpointing", "reshard_after_forward", "grad_sync")
+"""How a step runs a configuration, beside its sizes (:attr:`BatchConfig.settings`)."""
 
 MAX_CONFIGS = 100_000
 """A space larger than this is refused: no search could cover it."""
@@ -255,14 +270,24 @@ def bubble_fraction(pipeline_stages: int, microbatches: int) -> float:
 
 @dataclass(frozen=True, order=True)
 class BatchConfig:
-    """One point of the lattice: (batch_size, num_devices, micro_batch_size), and whether
-    the model recomputes its blocks' activations in the backward pass (a fourth dimension
-    of the search where the space lists it: it trades compute for memory)."""
+    """One point of the lattice: (batch_size, num_devices, micro_batch_size), and how a step
+    runs it: whether the model recomputes its blocks' activations in the backward pass
+    (compute for memory), and, for a sharded model (``trial.sharding: fsdp``), whether each
+    block's parameters are freed after the forward pass (``reshard_after_forward``: memory
+    for all-gather traffic) and when gradients are synchronised (``grad_sync``). Each is a
+    further dimension of the search where the space lists it (:attr:`settings`)."""
 
     batch_size: int
     num_devices: int
     micro_batch_size: int
     activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    """FSDP2's ``reshard_after_forward``: true (its default; ZeRO-3-like) frees each block's
+    gathered parameters after its forward pass and gathers them again for the backward;
+    false (ZeRO-2-like) keeps them. True, and of no effect, without sharding."""
+    grad_sync: GradSync = "last"
+    """:data:`GradSync`: ``last`` (the default, what a step without sharding does too) or
+    ``every``."""
 
     def __post_init__(self) -> None:
         if min(self.batch_size, self.num_devices, self.micro_batch_size) < 1:
@@ -270,6 +295,10 @@ class BatchConfig:
         if self.batch_size < self.num_devices:
             raise LatticeError(
                 f"batch_size {self.batch_size} is smaller than num_devices {self.num_devices}"
+            )
+        if self.grad_sync not in GRAD_SYNCS:
+            raise LatticeError(
+                f"grad_sync {self.grad_sync!r} is not one of: {', '.join(GRAD_SYNCS)}"
             )
 
     @property
@@ -299,29 +328,39 @@ class BatchConfig:
     def is_strict(self) -> bool:
         return is_strictly_valid(self.batch_size, self.num_devices, self.micro_batch_size)
 
+    @property
+    def settings(self) -> tuple[Any, ...]:
+        """How a step runs, beside the sizes: the values of :data:`SETTINGS`
+        (activation_checkpointing, reshard_after_forward, grad_sync). Memory grows with the
+        micro-batch on each combination's own scale."""
+        return tuple(getattr(self, key) for key in SETTINGS)
+
+    def with_settings(self, settings: Sequence[Any]) -> BatchConfig:
+        """The same sizes with ``settings``: values of :data:`SETTINGS`, in its order."""
+        return dataclasses.replace(self, **dict(zip(SETTINGS, settings, strict=True)))
+
     def canonical(self) -> BatchConfig:
         """The same measurement, named by the micro-batch it really runs."""
-        return BatchConfig(
-            self.batch_size,
-            self.num_devices,
-            self.canonical_micro_batch_size,
-            self.activation_checkpointing,
-        )
+        return dataclasses.replace(self, micro_batch_size=self.canonical_micro_batch_size)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> BatchConfig:
         """From a mapping with the three sizes (ints, or text as read from a CSV) and, where
-        it has one, ``activation_checkpointing`` (a bool, or text: true/false)."""
+        it has them, ``activation_checkpointing`` and ``reshard_after_forward`` (a bool, or
+        text: true/false) and ``grad_sync`` (``last`` or ``every``); an empty cell is the
+        default."""
         return cls(
             int(data["batch_size"]),
             int(data["num_devices"]),
             int(data["micro_batch_size"]),
             as_flag(data.get("activation_checkpointing", False)),
+            as_flag(data.get("reshard_after_forward", True), empty=True),
+            str(data.get("grad_sync") or "last").strip() or "last",  # type: ignore[arg-type]
         )
 
     def sizes(self) -> dict[str, Any]:
-        """What names the configuration: the three sizes, and activation checkpointing
-        where it is on (so that a configuration without it reads as it always has)."""
+        """What names the configuration: the three sizes, and each setting where it is not
+        its default (so that a configuration without them reads as it always has)."""
         named: dict[str, Any] = {
             "batch_size": self.batch_size,
             "num_devices": self.num_devices,
@@ -329,28 +368,37 @@ class BatchConfig:
         }
         if self.activation_checkpointing:
             named["activation_checkpointing"] = True
+        if not self.reshard_after_forward:
+            named["reshard_after_forward"] = False
+        if self.grad_sync != "last":
+            named["grad_sync"] = self.grad_sync
         return named
 
     def as_dict(self) -> dict[str, Any]:
-        """The three sizes, activation checkpointing, and what follows from them."""
+        """The three sizes, the settings, and what follows from them."""
         return {
             "batch_size": self.batch_size,
             "num_devices": self.num_devices,
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
+            "reshard_after_forward": self.reshard_after_forward,
+            "grad_sync": self.grad_sync,
             "per_device_batch": self.per_device_batch,
             "grad_accum_steps": self.grad_accum_steps,
         }
 
 
-def as_flag(value: Any) -> bool:
-    """A yes/no as a mapping or a CSV cell holds it: a bool, or the text true/false/1/0."""
+def as_flag(value: Any, *, empty: bool = False) -> bool:
+    """A yes/no as a mapping or a CSV cell holds it: a bool, or the text true/false/1/0;
+    ``empty``: what an empty cell means."""
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("true", "1", "yes"):
             return True
-        if text in ("false", "0", "no", ""):
+        if text in ("false", "0", "no"):
             return False
+        if not text:
+            return empty
         raise ValueError(f"expected true or false, got {value!r}")
     return bool(value)
 
@@ -445,5 +493,5 @@ def _range_micro_sizes(mode: int | str, micro_batch_sizes: Sequence[int] | None)
     return micro_batch_sizes
 
 
-def _order(c: BatchConfig) -> tuple[int, int, int, bool]:
-    return (c.num_devices, c.batch_size, c.micro_batch_size, c.activation_checkpointing)
+def _order(c: BatchConfig) -> tuple[Any, ...]:
+    return (c.num_devices, c.batch_size, c.micro_batch_size, *c.settings)

@@ -7,6 +7,10 @@ A phase travels from where it happens to where it is shown in three hops:
     trial actor (any node of the cluster)   -- Ray: the board actor's tell() ------->  board
     driver: a thread polls the board and draws
 
+The board (a Ray actor on the driver's node, alive as long as the search) also holds the
+run's state as Ray metrics (mbtune.metrics): the driver tells it which trials run, and each
+finished trial with the recommendation after it, as it records them (:func:`recorded`).
+
 On a terminal the driver draws one line and rewrites it in place; anywhere else (a log, CI,
 ``ray job submit``) it prints a plain line for each trial still running every
 :data:`PLAIN_EVERY_S` seconds, so that quick trials add nothing to the output. The finished
@@ -30,10 +34,12 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mbtune.lattice import BatchConfig
+from mbtune.metrics import RunGauges, RunState
+from mbtune.runs.record import TrialRecord
 
 __all__ = [
-    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Display", "PhaseHook", "echo", "ended", "forwarder",
-    "one_trial", "phase_pipe", "phase_writer", "shown", "started",
+    "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Board", "Display", "PhaseHook", "echo", "ended",
+    "forwarder", "one_trial", "phase_pipe", "phase_writer", "recorded", "shown", "started",
 ]  # fmt: skip
 
 PhaseHook = Callable[[str, int, int], None]
@@ -146,10 +152,36 @@ def _board_name() -> str:
 
 class Board:
     """The latest phase of each running trial: a Ray actor in the driver's job, told by the
-    trial actors, read by the driver."""
+    trial actors, read by the driver. With ``run``, the run's Ray metrics too: set from it
+    at once, then after each trial the driver records (:meth:`recorded`) and each change
+    in how many run (:meth:`running`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: RunState | None = None) -> None:
         self.phases: dict[str, tuple[str, int, int]] = {}
+        self.run, self.gauges = run, None
+        if run is not None:
+            try:
+                self.gauges = RunGauges()
+            except Exception:  # noqa: BLE001 - no metrics: the board still shows the phases
+                self.run = None
+        self._publish()
+
+    def recorded(self, record: TrialRecord, recommendation: dict[str, Any] | None) -> None:
+        if self.run is not None:
+            self.run.add(record, recommendation)
+            self._publish()
+
+    def running(self, count: int) -> None:
+        if self.run is not None and self.run.running != count:
+            self.run.running = count
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.gauges is not None and self.run is not None:
+            try:
+                self.gauges.publish(self.run)
+            except Exception:  # noqa: BLE001 - a metric is never worth the phases shown
+                self.gauges = None
 
     def tell(self, trial_id: str, phase: str, done: int, total: int) -> None:
         self.phases[trial_id] = (phase, done, total)
@@ -203,6 +235,9 @@ class Display:
         with self.lock:
             self.running[trial_id] = _Running(config, now, now)
             self.draw()
+            count = len(self.running)
+        if self.board is not None:
+            self.board.running.remote(count)
 
     def phase(self, trial_id: str, phase: str, done: int, total: int) -> None:
         with self.lock:
@@ -215,8 +250,16 @@ class Display:
             if self.running.pop(trial_id, None) is not None:
                 self.finished += 1
             self.draw()
+            count = len(self.running)
         if self.board is not None:
             self.board.forget.remote(trial_id)
+            self.board.running.remote(count)
+
+    def recorded(self, record: TrialRecord, recommendation: dict[str, Any] | None) -> None:
+        """A finished trial, as trials.csv holds it, and the recommendation after it, as
+        recommendations.jsonl holds it (None: none yet): told to the board's metrics."""
+        if self.board is not None:
+            self.board.recorded.remote(record, recommendation)  # not waited on
 
     def echo(self, line: str) -> None:
         """Print ``line`` above the progress line."""
@@ -301,11 +344,18 @@ _display: Display | None = None
 
 
 @contextlib.contextmanager
-def shown(finished: int = 0, out: TextIO | None = None, *, board: bool = True) -> Iterator[Display]:
+def shown(
+    finished: int = 0,
+    out: TextIO | None = None,
+    *,
+    board: bool = True,
+    metrics: RunState | None = None,
+) -> Iterator[Display]:
     """Show the progress of the trials a search runs while the block runs; ``finished``:
     how many trials the run had finished before (a resumed run). ``board``: start the board
     actor the trial actors tell (Ray must be running); without it, phases are told to the
-    display directly."""
+    display directly. ``metrics``: the run as it stands, which the board exports as Ray
+    metrics (mbtune.metrics) and keeps up to date."""
     global _display
 
     out = out or sys.stdout
@@ -316,9 +366,15 @@ def shown(finished: int = 0, out: TextIO | None = None, *, board: bool = True) -
         name = _board_name()
         with contextlib.suppress(ValueError):  # a board left by a search that died in this job
             ray.kill(ray.get_actor(name))
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # on the driver's node: its metrics are served by the endpoint mbtune run prints
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         try:
             display.board = (
-                ray.remote(Board).options(name=name, num_cpus=0, max_restarts=0).remote()
+                ray.remote(Board)
+                .options(name=name, num_cpus=0, max_restarts=0, scheduling_strategy=here)
+                .remote(metrics)
             )
         except Exception:  # noqa: BLE001 - no board: trials show "starting", never fail
             display.board = None
@@ -376,3 +432,10 @@ def started(trial_id: str, config: BatchConfig) -> None:
 def ended(trial_id: str) -> None:
     if _display is not None:
         _display.ended(trial_id)
+
+
+def recorded(record: TrialRecord, recommendation: dict[str, Any] | None = None) -> None:
+    """The search recorded a finished trial (``record``, its row of trials.csv) and the
+    recommendation after it (``recommendation``, its record of recommendations.jsonl)."""
+    if _display is not None:
+        _display.recorded(record, recommendation)

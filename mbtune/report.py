@@ -40,6 +40,7 @@ __all__ = [
     "step_suffix",
     "stream_line",
     "summary_lines",
+    "tie_line",
     "trial_line",
 ]
 
@@ -98,12 +99,28 @@ def per_device_split(config: BatchConfig) -> str:
     return f"per device {b // n} samples as {runs}"
 
 
-def step_suffix(precision: str | None, activation_checkpointing: bool) -> str:
-    """How a step computes, to follow a configuration's sizes: ', bf16, with activation
-    checkpointing' (empty where neither is known or on)."""
+def step_suffix(
+    precision: str | None,
+    activation_checkpointing: bool,
+    reshard_after_forward: bool = True,
+    grad_sync: str = "last",
+    *,
+    sharding: str | None = None,
+) -> str:
+    """How a step computes, to follow a configuration's sizes (its settings, in the order
+    of ``BatchConfig.settings``): ', bf16, with activation checkpointing', and, sharded,
+    ', reshard_after_forward false, grad_sync every'. A setting at its default is not named
+    (so that a configuration without them reads as it always has), unless ``sharding`` is
+    ``fsdp``: then both of FSDP's are, ', fsdp, reshard_after_forward true, grad_sync last'."""
     words = [precision] if precision else []
     if activation_checkpointing:
         words.append("with activation checkpointing")
+    fsdp = sharding == "fsdp"
+    words += ["fsdp"] * fsdp
+    if fsdp or not reshard_after_forward:
+        words.append(f"reshard_after_forward {str(reshard_after_forward).lower()}")
+    if fsdp or grad_sync != "last":
+        words.append(f"grad_sync {grad_sync}")
     return "".join(f", {w}" for w in words)
 
 
@@ -112,7 +129,7 @@ def trial_line(r: TrialRecord) -> str:
     figure = f"{r.samples_per_s:,.1f} samples/s" if r.samples_per_s is not None else "-"
     figure += f", MFU {r.mfu:.0%}" if r.mfu is not None else ""
     status = f"{r.status}" + (f" ({r.reason})" if r.reason else "")
-    step = step_suffix(r.precision, r.activation_checkpointing)
+    step = step_suffix(r.precision, *r.config.settings, sharding=r.sharding)
     return (
         f"mbtune {time.strftime('%H:%M:%S')}  trial {r.trial:>3}  {sizes(r.config)}{step}: "
         f"{figure}  {status}"
@@ -122,11 +139,22 @@ def trial_line(r: TrialRecord) -> str:
 def summary_lines(
     records: Sequence[TrialRecord], summary: Mapping[str, Any], run_path: Path
 ) -> list[str]:
-    """The end of a search for a person: how many trials, the recommendation with its
-    speed-ups, the nearest valid batch size, compile break-even, and the top five
-    (``summary``: the reporter's summary.json)."""
-    failed = sum(r.status != "ok" for r in records)
-    lines = [f"mbtune: {len(records)} trials finished ({failed} not ok); results in {run_path}"]
+    """The end of a search for a person: how many trials (and how many configurations were
+    predicted out of memory and skipped), the recommendation with its speed-ups, the
+    nearest valid batch size, compile break-even, and the top five (``summary``: the
+    reporter's summary.json)."""
+    predicted = sum(r.predicted for r in records)
+    failed = sum(r.status != "ok" and not r.predicted for r in records)
+    skipped = (
+        f"; {_plural(predicted, 'configuration')} predicted out of memory, skipped without "
+        "a trial (search.predict_memory)"
+        if predicted
+        else ""
+    )
+    lines = [
+        f"mbtune: {len(records) - predicted} trials finished ({failed} not ok){skipped}; "
+        f"results in {run_path}"
+    ]
     best = summary["recommended"]
     if best is None:
         return [*lines, "mbtune: no configuration ran successfully"]
@@ -135,7 +163,10 @@ def summary_lines(
         if summary.get("speedup_over_user")
         else ""
     )
-    step = step_suffix(best.get("precision"), best.get("activation_checkpointing", False))
+    sharding = "fsdp" if any(r.sharding == "fsdp" for r in records) else None
+    step = step_suffix(
+        best.get("precision"), *BatchConfig.from_mapping(best).settings, sharding=sharding
+    )
     mfu = f" (MFU {best['mfu']:.0%})" if best.get("mfu") is not None else ""
     lines.append(
         f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
@@ -145,6 +176,8 @@ def summary_lines(
         f"{summary['confidence']} (out of 100)"
     )
     lines.append(_measurements_line(summary))
+    if summary.get("tie"):
+        lines.append("  " + tie_line(summary["tie"], (summary.get("drift") or {}).get("relative")))
     if summary["recommended_batch_size"] != best["batch_size"]:
         lines.append(
             f"  the valid batch_size nearest yours for this micro_batch_size and num_devices: "
@@ -192,14 +225,20 @@ def _break_even_line(b: Mapping[str, Any]) -> str:
 
 
 def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
-    lines = [f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}  "
-             f"{'grad_accum':>10}  {'samples/s':>10}  {'compile_s':>9}"]  # fmt: skip
+    """The best configurations, ranked as the recommendation ranks them: by the search
+    model's estimate (``estimated``), which pools every look and what the neighbours say,
+    beside the measured samples/s (every look's geometric mean)."""
+    lines = [f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  "
+             f"{'micro_batch_size':>16}  {'grad_accum':>10}  {'samples/s':>10}  "
+             f"{'estimated':>10}  {'compile_s':>9}"]  # fmt: skip
     for i, r in enumerate(top, start=1):
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
+        estimate = r.get("estimated_samples_per_s")
+        estimated = f"{estimate:,.1f}" if estimate is not None else "-"
         lines.append(
             f"  {i:>4}  {r['num_devices']:>11}  {r['batch_size']:>10}  "
             f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
-            f"{r['samples_per_s']:>10,.1f}  {compile_s:>9}"
+            f"{r['samples_per_s']:>10,.1f}  {estimated:>10}  {compile_s:>9}"
         )
     return lines
 
@@ -221,7 +260,7 @@ def stream_line(
     """The stream's recommendation after a trial; ``made_at``: when, ISO (its clock is
     shown)."""
     c = config
-    step = step_suffix(precision, c.activation_checkpointing)
+    step = step_suffix(precision, *c.settings)
     shown_mfu = f", MFU {mfu:.0%}" if mfu is not None else ""
     return (
         f"mbtune {made_at[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
@@ -246,7 +285,7 @@ def recommended_line(
     speed = f": {samples_per_s:,.1f} samples/s" if samples_per_s is not None else ""
     origin = source + (f", confidence {confidence}" if confidence is not None else "")
     batch = f"; recommended global batch {recommended_batch_size}" if recommended_batch_size else ""
-    step = step_suffix(precision, c.activation_checkpointing)
+    step = step_suffix(precision, *c.settings)
     return (
         f"recommended ({origin}): {sizes(c)} ({_plural(g, 'micro-batch', 'es')} per "
         f"device{step}){speed}{batch}"
@@ -279,6 +318,8 @@ def result_lines(r: TrialResult, *, threads: int | None = None) -> list[str]:
     step = [r.precision] if r.precision else []
     if r.activation_checkpointing:
         step.append("activation checkpointing")
+    if r.sharding == "fsdp" or r.config.settings[1:] != (True, "last"):
+        step.append(step_suffix(None, False, *r.config.settings[1:], sharding=r.sharding)[2:])
     if step:
         lines.append(f"  step         {', '.join(step)}")
     if r.note:
@@ -330,9 +371,10 @@ def _speed_lines(r: TrialResult) -> list[str]:
             f"    apart      compute {compute} (the same steps without the all-reduce), "
             f"all-reduce {r.comm_time_ms:.2f} ms (of the gradient's bytes, alone)"
         )
-    else:
+    else:  # modelled: FSDP's all-gathers and reduce-scatters where sharded
+        comm = "all-gather + reduce-scatter" if r.sharding == "fsdp" else "all-reduce"
         lines.append(
-            f"    of which   compute {r.compute_time_ms:.2f} ms, all-reduce "
+            f"    of which   compute {r.compute_time_ms:.2f} ms, {comm} "
             f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"
         )
     return lines
@@ -403,5 +445,41 @@ def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
 
 def another_look_line(why: str, config: BatchConfig, look: int) -> str:
     """The stream's line when the search measures a configuration again."""
-    step = step_suffix(None, config.activation_checkpointing)
+    step = step_suffix(None, *config.settings)
     return f"mbtune: {why}: {sizes(config)}{step} (measurement {look})"
+
+
+def tie_line(tie: Mapping[str, Any], drift: float | None = None) -> str:
+    """A tie (``tie``: its record, mbtune.recommend.confidence.Tie) as the stream and the
+    summary say it: what the search cannot tell apart at this machine's spread, which of
+    them it recommends and by what rule, and what it was sure of."""
+    members = [BatchConfig.from_mapping(m) for m in tie["members"]]
+    first = members[0]
+    spread = f" (repeats differ by {drift:.1%})" if drift else ""
+    sure = "; ".join(
+        f"{s['dimension']} {_value(s['value'])} over {_value(s['over'])} ({s['speedup']:.2f}x)"
+        for s in tie.get("sure", ())
+    )
+    return (
+        f"a tie within {tie['width']:.1%} on this machine{spread}: {_members(members)}; "
+        f"recommended: micro_batch_size {first.micro_batch_size}"
+        f"{step_suffix(None, *first.settings)} ({tie['rule']})"
+        + (f"; sure of: {sure}" if sure else "")
+    )
+
+
+def _members(members: Sequence[BatchConfig]) -> str:
+    """'micro_batch_size 1, 2, 8, 16 at 2 devices (batch_size 32)' where only the
+    micro-batch differs, else each one's sizes."""
+    rest = {(c.num_devices, c.batch_size, *c.settings) for c in members}
+    if len(rest) == 1:
+        c = members[0]
+        ms = ", ".join(str(m.micro_batch_size) for m in members)
+        step = step_suffix(None, *c.settings)
+        devices = _plural(c.num_devices, "device")
+        return f"micro_batch_size {ms} at {devices} (batch_size {c.batch_size}{step})"
+    return "; ".join(sizes(c) + step_suffix(None, *c.settings) for c in members)
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)

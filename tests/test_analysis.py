@@ -397,9 +397,11 @@ def test_repeats_are_shown_with_their_spread_in_the_report_and_the_plot(tmp_path
 
 
 def test_config_key_is_every_searched_column():
+    from mbtune.lattice import SETTINGS
     from mbtune.runs.record import CONFIG_KEY, SIZES
 
-    assert [*SIZES, "activation_checkpointing"] == list(CONFIG_KEY)
+    assert [*SIZES, *SETTINGS] == list(CONFIG_KEY)
+    assert SETTINGS == ("activation_checkpointing", "reshard_after_forward", "grad_sync")
 
 
 def test_best_per_config_keeps_checkpointing_on_and_off_apart(tmp_path):

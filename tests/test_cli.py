@@ -399,10 +399,14 @@ def test_analyze_is_a_thin_shell_over_one_function(capsys, monkeypatch):
     )
     assert run(capsys, "analyze", "a", "b", "--format", "csv", "--no-plots")[0] == 0
     assert run(capsys, "analyze", "a", "--export", "hf")[0] == 0
+    plan = ["--set", "plan.steps=9", "--set", "plan.num_devices=[8]"]
+    assert run(capsys, "analyze", "a", *plan)[0] == 0
     assert seen == [
-        (["a", "b"], {"fmt": "csv", "export": None, "plots": False}),
-        (["a"], {"fmt": "table", "export": "hf", "plots": True}),
-    ]
+        (["a", "b"], {"fmt": "csv", "export": None, "plots": False, "plan_overrides": []}),
+        (["a"], {"fmt": "table", "export": "hf", "plots": True, "plan_overrides": []}),
+        (["a"], {"fmt": "table", "export": None, "plots": True,
+                 "plan_overrides": ["plan.steps=9", "plan.num_devices=[8]"]}),
+    ]  # fmt: skip
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():

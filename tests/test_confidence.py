@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -177,3 +178,69 @@ def test_repeats_are_pooled_and_a_leader_seen_once_at_a_quiet_moment_is_doubted(
     assert after.looks[c(32)] == 2 and after.drift > 0.1  # learnt from the two looks
     assert after.value == pytest.approx((820 * 1.4 * 820) ** 0.5)  # both looks, pooled
     assert after.confidence < before.confidence
+
+
+def flat_top(spread: dict[int, tuple[float, ...]]) -> list[Observation]:
+    """A busy machine: every micro-batch size on 2 devices within a few percent of the
+    others, repeats 5-10% apart; 1 device half as fast."""
+
+    def looks(n, m, *values):
+        steps = (0.98, 1.0, 1.02, 0.99, 1.01)
+        return [Observation(BatchConfig(32, n, m), "ok", v, tuple(32e3 / v * f for f in steps))
+                for v in values]  # fmt: skip
+
+    out = [*looks(1, 8, 350), *looks(1, 32, 340)]
+    for m, values in spread.items():
+        out += looks(2, m, *values)
+    return out
+
+
+def test_a_flat_top_on_a_busy_machine_is_a_tie_that_names_its_members():
+    from mbtune.recommend.confidence import TIE_RULE, SearchModel
+    from mbtune.report import tie_line
+
+    points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+    model = SearchModel(tuple(sorted({p.canonical() for p in points})), noise_floor=0.035)
+    once = {1: (735,), 2: (700,), 4: (680,), 8: (775,), 16: (700,)}
+    assert model.assess(flat_top(once)).tie is None  # each must be measured twice first
+    # twice each, 5-10% between repeats: a third look could not tell them apart
+    twice = {1: (735, 660), 2: (700, 790), 4: (680, 780), 8: (775, 690), 16: (700, 790)}
+    a = model.assess(flat_top(twice))
+    assert a.tie is not None and a.tie == a.contenders and len(a.tie.members) >= 2
+    assert all(c.num_devices == 2 for c in a.tie.members) and a.tie.probability >= 0.9
+    # the recommendation is the tie's first: among those within 2% of the fastest
+    # estimate, the fewest devices, then the fastest; its score is its own
+    fastest = max(a.estimate[c] for c in a.tie.members)
+    close = [c for c in a.tie.members if a.estimate[c] >= fastest * 0.98]
+    assert a.recommended == a.tie.members[0] == max(close, key=a.estimate.__getitem__)
+    assert a.confidence == int(a.within[a.recommended] * 100) < 90
+    # what it was sure of: 2 devices over 1, about twice as fast
+    (dim, value, over, speedup), = a.tie.sure  # fmt: skip
+    assert (dim, value, over) == ("num_devices", 2, 1) and 1.9 < speedup < 2.4
+    line = tie_line(a.tie.record(), a.drift)
+    ms = ", ".join(str(c.micro_batch_size) for c in a.tie.members)
+    assert line.startswith(f"a tie within {a.tie.width:.1%} on this machine (repeats differ by ")
+    assert f"micro_batch_size {ms} at 2 devices (batch_size 32)" in line
+    assert f"recommended: micro_batch_size {a.recommended.micro_batch_size} ({TIE_RULE})" in line
+    assert line.endswith(f"sure of: num_devices 2 over 1 ({speedup:.2f}x)")
+
+
+def test_on_a_quiet_machine_a_tie_waits_for_every_look_the_search_may_take():
+    from mbtune.recommend.confidence import SearchModel
+
+    points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+    model = SearchModel(tuple(sorted({p.canonical() for p in points})), noise_floor=0.035)
+    # two within 2% of each other, 2-3% between repeats: a third look each could still
+    # tell them apart, so no tie after two
+    twice = {8: (760, 735), 16: (742, 750), 4: (650, 640), 2: (600, 590)}
+    a = model.assess(flat_top(twice))
+    assert a.contenders is not None and a.tie is None and a.confidence < 90
+    thrice = {**twice, 8: (760, 735, 748), 16: (742, 750, 741)}
+    a = model.assess(flat_top(thrice))
+    assert a.tie is not None and {c.micro_batch_size for c in a.tie.members} == {8, 16}
+    # max_repeats 2: two looks are all the search may take
+    assert dataclasses.replace(model, max_repeats=2).assess(flat_top(twice)).tie is not None
+    # 10% apart, measured three times each: one leads, no tie
+    apart = {8: (800, 805, 798), 16: (720, 722, 719)}
+    a = model.assess(flat_top(apart))
+    assert a.tie is None and a.recommended == BatchConfig(32, 2, 8)

@@ -186,7 +186,7 @@ def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
 
 # -- faults injected on a seeded schedule ------------------------------------------------
 
-KILL_SCHEDULE = sorted(random.Random(20261125).sample(range(0, 11), 3))
+KILL_SCHEDULE = sorted(random.Random(20261125).sample(range(0, 11), 2))
 """After how many finished trials the driver is SIGKILLed (0: during start-up, before the
 first trial's row), drawn once from a fixed seed: the same points every run, spread over
 the whole search."""

@@ -54,6 +54,7 @@ def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
     assert asked.user_attrs == {
         "batch_size": proposed.batch_size, "num_devices": proposed.num_devices,
         "micro_batch_size": proposed.micro_batch_size, "activation_checkpointing": False,
+        "reshard_after_forward": True, "grad_sync": "last",
         "grad_accum_steps": proposed.grad_accum_steps,
     }  # fmt: skip
     # measured at half the proposed micro-batch (halved on out of memory)
@@ -63,7 +64,8 @@ def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
     assert told.state == optuna.trial.TrialState.COMPLETE and told.value == 123.0
     assert told.user_attrs == {
         "batch_size": 32, "num_devices": ran.num_devices, "micro_batch_size": 1,
-        "activation_checkpointing": False, "grad_accum_steps": ran.grad_accum_steps,
+        "activation_checkpointing": False, "reshard_after_forward": True, "grad_sync": "last",
+        "grad_accum_steps": ran.grad_accum_steps,
         "status": "ok", "samples_per_s": 123.0, "peak_memory_bytes": 2**20, "trial": 1,
     }  # fmt: skip
 
@@ -78,7 +80,8 @@ def test_a_told_result_is_a_trial_with_the_users_sizes(tmp_path):
     assert "samples_per_s" not in oom.user_attrs  # not measured: left out, not null
     assert warm.user_attrs == {
         "batch_size": 32, "num_devices": 1, "micro_batch_size": 8,
-        "activation_checkpointing": False, "grad_accum_steps": 4, "status": "ok",
+        "activation_checkpointing": False, "reshard_after_forward": True, "grad_sync": "last",
+        "grad_accum_steps": 4, "status": "ok",
     }  # fmt: skip
 
 

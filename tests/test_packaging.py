@@ -62,3 +62,5 @@ def test_the_wheel_and_the_sdist_carry_the_search_spaces(tmp_path):
         assert f"mbtune/search_spaces/{name}" in in_wheel
         assert f"search_spaces/{name}" in in_sdist  # the source tree's layout
     assert "mbtune/__main__.py" in in_wheel and "mbtune/config/starter.py" in in_wheel
+    dashboard = "mbtune/grafana_dashboard.json"  # the Grafana dashboard mbtune.metrics installs
+    assert dashboard in in_wheel and dashboard in in_sdist

@@ -1,10 +1,12 @@
-"""The plan of the real run: the fitted step model, the rows and picks, `mbtune plan`."""
+"""The plan of the real run: the fitted step model, the rows and picks, `mbtune plan`, the
+plan in `mbtune analyze` and its plot."""
 
 import json
 import math
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from mbtune.cli import main
@@ -16,7 +18,7 @@ from mbtune.plan.planner import Interval, make_plan, plan_run
 from mbtune.runs.rundir import read_trials
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from rundirs import EXPERIMENT, make_run, trial_row  # noqa: E402
+from rundirs import EXPERIMENT, PNG_MAGIC, make_run, trial_row  # noqa: E402
 
 GRAD_BYTES = 400_000_000
 """A 100M-parameter model's fp32 gradients."""
@@ -159,8 +161,10 @@ def test_every_row_s_hours_device_hours_and_cost_follow_from_samples_per_s(tmp_p
     assert set(report) == {"rows", "fastest", "cheapest", "cheapest_within"}
     for row in [*report["rows"], report["fastest"], report["cheapest"], report["cheapest_within"]]:
         assert set(row) == {"num_devices", "batch_size", "micro_batch_size",
-                            "activation_checkpointing", "samples_per_s", "hours",
-                            "device_hours", "cost"}  # fmt: skip
+                            "activation_checkpointing", "reshard_after_forward", "grad_sync",
+                            "confidence", "samples_per_s", "hours", "device_hours",
+                            "cost"}  # fmt: skip
+        assert 0 <= row["confidence"] <= 99
         speed, hours, dh, cost = (row[k] for k in ("samples_per_s", "hours", "device_hours",
                                                    "cost"))  # fmt: skip
         for key, rate in (("value", "value"), ("low", "high"), ("high", "low")):
@@ -374,18 +378,162 @@ def test_mbtune_run_ends_with_the_plan_when_the_experiment_has_one(tmp_path, cap
     assert "plan:" not in capsys.readouterr().out
 
 
-def test_the_plan_as_a_data_frame(tmp_path):
-    plan = plan_of(exact_run(tmp_path, micro={"min": 1, "max": 16}))
+def test_the_plan_as_a_data_frame_holds_every_configuration_considered(tmp_path):
+    run = exact_run(tmp_path, micro={"min": 1, "max": 16})
+    plan = plan_of(run)
     frame = plan.as_frame()
-    assert list(frame["num_devices"]) == [8, 64, 256]
-    assert list(frame.columns[:4]) == [
-        "num_devices", "batch_size", "micro_batch_size", "activation_checkpointing"
+    assert list(frame.columns[:9]) == [
+        "num_devices", "batch_size", "micro_batch_size", "activation_checkpointing",
+        "reshard_after_forward", "grad_sync", "best", "confidence", "samples",
     ]  # fmt: skip
+    assert frame["confidence"].notna().eq(frame["best"]).all()
+    # one row per planned device count and configuration of the space: its micro-batch
+    # sizes up to the per-device batch (8 devices: 64 samples each; 256: 2)
+    sizes = frame.groupby("num_devices")["micro_batch_size"].apply(sorted).to_dict()
+    assert sizes == {8: [1, 2, 4, 8, 16], 64: [1, 2, 4, 8], 256: [1, 2]}
+    assert not frame.duplicated(["num_devices", "batch_size", "micro_batch_size"]).any()
+    best = frame[frame["best"]]
+    assert list(best["num_devices"]) == [8, 64, 256]
+    assert best["cost"].tolist() == [r.cost.value for r in plan.rows]
+    assert best["micro_batch_size"].tolist() == [r.config.micro_batch_size for r in plan.rows]
+    for _, at_n in frame.groupby("num_devices"):  # fewest hours first, the best the first
+        assert at_n["hours"].is_monotonic_increasing and at_n["best"].iloc[0]
     for key in ("samples_per_s", "hours", "device_hours", "cost"):
-        assert (frame[f"{key}_low"] <= frame[key]).all() and (
-            frame[key] <= frame[f"{key}_high"]
-        ).all()
-    assert frame["cost"].tolist() == [r.cost.value for r in plan.rows]
+        assert (frame[f"{key}_low"] <= frame[key]).all()
+        assert (frame[key] <= frame[f"{key}_high"]).all()
+    assert frame["hours"].to_numpy() == pytest.approx(
+        1e9 / frame["samples_per_s"].to_numpy() / 3600
+    )
+    assert frame["cost"].to_numpy() == pytest.approx(
+        frame["hours"].to_numpy() * frame["num_devices"].to_numpy() * 2.5
+    )
+
+
+def test_mbtune_load_plan_is_the_plan_s_frame(tmp_path):
+    import mbtune
+
+    run = exact_run(tmp_path)
+    frame = mbtune.load_plan(run, ["plan.samples=2e9"], grad_bytes=GRAD_BYTES)
+    expected = plan_run(run, ["plan.samples=2e9"], grad_bytes=GRAD_BYTES).as_frame()
+    pd.testing.assert_frame_equal(frame, expected)
+    assert (frame["samples"] == 2e9).all()
+
+
+# -- in mbtune analyze ------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_bytes(monkeypatch):
+    monkeypatch.setattr("mbtune.plan.model_bytes.gradient_bytes", lambda model: GRAD_BYTES)
+
+
+def test_mbtune_analyze_prints_the_plan_and_writes_its_table_and_plot(tmp_path, capsys,
+                                                                     counted_bytes):  # fmt: skip
+    run = exact_run(tmp_path)
+    assert main(["analyze", str(run)]) == 0
+    out = capsys.readouterr().out
+    report, _, block = out.partition("\nplan: 1e+09 samples on 8, 64, 256 devices")
+    assert "trials, best first by samples_per_s:" in report
+    assert "  fastest: " in block and "  cheapest within 10% of the fastest: " in block
+    assert "plot-plan.png" in out and f"plan: {run / 'plan.csv'}" in out
+    assert (run / "plot-plan.png").read_bytes().startswith(PNG_MAGIC)
+    written = pd.read_csv(run / "plan.csv")
+    expected = plan_run(run, grad_bytes=GRAD_BYTES).as_frame()
+    pd.testing.assert_frame_equal(written, expected, check_dtype=False)
+
+
+def test_mbtune_analyze_plans_a_run_without_a_plan_section_with_set(tmp_path, capsys,
+                                                                   counted_bytes):  # fmt: skip
+    run = make_run(tmp_path, [exact_row(512, n, m) for n in (1, 2) for m in (4, 8)],
+                   experiment=experiment(None))  # fmt: skip
+    assert main(["analyze", str(run), "--no-plots"]) == 0
+    assert "\nplan: " not in capsys.readouterr().out and not (run / "plan.csv").exists()
+    argv = ["analyze", str(run), "--no-plots", "--format", "markdown",
+            "--set", "plan.steps=1000", "--set", "plan.num_devices=[2, 16]"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "```\nplan: 1,000 steps on 2, 16 devices" in out and out.rstrip().endswith(
+        f"plan: {run / 'plan.csv'}"
+    )
+    assert pd.read_csv(run / "plan.csv").query("best")["num_devices"].tolist() == [2, 16]
+    assert not (run / "plot-plan.png").exists()  # --no-plots
+
+
+def test_mbtune_analyze_csv_keeps_stdout_the_ranked_table(tmp_path, capsys, counted_bytes):
+    run = exact_run(tmp_path)
+    assert main(["analyze", str(run), "--format", "csv", "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("rank,") and "\nplan: " not in out and "fastest" not in out
+    assert err == f"plan: {run / 'plan.csv'}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "plan.samples=-1"], "plan.samples: must be positive, got -1"),
+        (["--set", "train_input.batch_size=8"],
+         "--set: mbtune analyze sets the plan's keys only (plan.KEY=VALUE), got "
+         "'train_input.batch_size=8'"),
+        (["--set", "plan.num_devices=[1024]"], "plan.num_devices: no planned device count has"),
+        (["--set", "plan.samples=1", "--export", "hf"],
+         "--set: plans one run: give one run directory and no --export"),
+    ],
+)  # fmt: skip
+def test_a_wrong_plan_in_mbtune_analyze_is_one_line_and_exit_2(tmp_path, capsys, counted_bytes,
+                                                              argv, message):  # fmt: skip
+    code = main(["analyze", str(exact_run(tmp_path)), "--no-plots", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"mbtune: error: {message}") and err.count("\n") == 1
+
+
+def test_a_plan_section_that_cannot_be_planned_leaves_the_report_and_says_why(
+    tmp_path, capsys, counted_bytes
+):
+    run = exact_run(tmp_path, plan={**EXACT_PLAN, "num_devices": [1024]})
+    assert main(["analyze", str(run), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "trials, best first by samples_per_s:" in out
+    assert out.rstrip().endswith(
+        "mbtune: no plan: plan.num_devices: no planned device count has a configuration: the "
+        "search space holds no configuration at 1024 devices: its batch_size cannot be split "
+        "over 1024"
+    )
+    assert not (run / "plan.csv").exists()
+
+
+def test_the_plan_plot_draws_time_and_cost_with_their_bands_and_the_picks(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from mbtune.analysis.plots import plan_figure
+
+    run = exact_run(tmp_path)
+    plan = plan_of(run, "plan.num_devices=[8, 16, 64]", "plan.max_slowdown=0.0")
+    fig = plan_figure(plan, title="t")
+    top, bottom = fig.axes
+    assert fig.get_suptitle() == "t: 1e+09 samples, 90% intervals"
+    for ax, key in ((top, "hours"), (bottom, "cost")):
+        line = next(x for x in ax.get_lines() if x.get_label() == "best configuration")
+        assert list(line.get_xdata()) == [8, 16, 64]
+        assert list(line.get_ydata()) == [getattr(r, key).value for r in plan.rows]
+        band = next(c for c in ax.collections if isinstance(c, PolyCollection))
+        ys = band.get_paths()[0].vertices[:, 1]
+        assert min(ys) == pytest.approx(min(getattr(r, key).low for r in plan.rows))
+        assert max(ys) == pytest.approx(max(getattr(r, key).high for r in plan.rows))
+        fastest = next(x for x in ax.get_lines() if x.get_label() == "fastest")
+        assert list(fastest.get_xdata()) == [64]  # the slow inter-node link: 64 is fastest
+        cheapest = next(x for x in ax.get_lines() if x.get_label() == "cheapest")
+        assert list(cheapest.get_xdata()) == [8]
+    assert bottom.get_ylabel() == "cost at 2.5 per device-hour"
+    assert [t.get_text() for t in top.texts] == [
+        f"B512 m{r.config.micro_batch_size}" for r in plan.rows
+    ]
+    assert "one node (8 devices)" in [t.get_text() for t in top.get_legend().get_texts()]
+    assert bottom.get_xlabel() == "num_devices (measured: 1, 2, 4, 8)"
+    unpriced = plan_of(run, "plan.price_per_device_hour=null", "plan.num_devices=[8, 1024]")
+    fig = plan_figure(unpriced, title="t")
+    assert fig.axes[1].get_ylabel() == "device-hours (no plan.price_per_device_hour)"
+    no_config = "num_devices (measured: 1, 2, 4, 8; no configuration at 1024)"
+    assert fig.axes[1].get_xlabel() == no_config
 
 
 # -- nccl-tests outputs as the tiers ------------------------------------------------
@@ -472,3 +620,24 @@ def test_a_device_count_without_a_configuration_is_said_and_none_at_all_is_one_l
     )  # fmt: skip
     with pytest.raises(MbtuneError, match=r"^plan\.num_devices: no planned device count has a "):
         plan_of(run, "plan.num_devices=[1024]")
+
+
+def test_a_pick_is_as_sure_as_the_draws_that_give_its_intervals():
+    # the draws of the step model (which draw the link) decide how sure a row's pick is:
+    # the share of draws in which it is within 2% of that draw's fastest candidate
+    from types import SimpleNamespace
+
+    from mbtune.config.schema import PlanConfig
+    from mbtune.plan.planner import _best_row
+
+    rng = np.random.default_rng(0)
+    a, b = BatchConfig(512, 64, 8), BatchConfig(512, 64, 16)
+    draws = {a: 1.0 + 0.05 * rng.standard_normal(400), b: 1.01 + 0.05 * rng.standard_normal(400)}
+    draws[a][0], draws[b][0] = 1.0, 1.01  # draw 0: the point estimate
+    model = SimpleNamespace(step_s=lambda c: draws[c])
+    row = _best_row(model, [a, b], PlanConfig(samples=1e6), None)
+    expected = np.mean(draws[a] * 0.98 <= np.minimum(draws[a], draws[b]))
+    assert row.config == a and row.confidence == int(100 * expected)
+    assert 40 < row.confidence < 90  # two within noise of each other: not sure
+    draws[b] = draws[b] + 0.5  # far slower in every draw: sure
+    assert _best_row(model, [a, b], PlanConfig(samples=1e6), None).confidence == 99

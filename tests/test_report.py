@@ -110,9 +110,10 @@ def test_a_trial_line_says_a_record():
 
 def test_the_summary_of_a_search():
     best = {"micro_batch_size": 8, "num_devices": 2, "batch_size": 32, "grad_accum_steps": 2,
-            "samples_per_s": 672.7, "compile_s": 3.0, "mfu": None, "precision": None}  # fmt: skip
+            "samples_per_s": 672.7, "compile_s": 3.0, "mfu": None, "precision": None,
+            "estimated_samples_per_s": 668.1}  # fmt: skip
     other = {**best, "micro_batch_size": 16, "grad_accum_steps": 1, "samples_per_s": 600.0,
-             "compile_s": 1.0}  # fmt: skip
+             "compile_s": 1.0, "estimated_samples_per_s": None}  # fmt: skip
     summary = {
         "recommended": best, "speedup_over_base": 1.25, "speedup_over_user": None,
         "confidence": 95, "recommended_batch_size": 32, "top": [best, other],
@@ -129,9 +130,12 @@ def test_the_summary_of_a_search():
         "  it compiles 2.0 s slower than micro_batch_size 16 on 2 device(s), and pays off "
         "after 1,234 training steps",
         "best configurations:",
-        "  rank  num_devices  batch_size  micro_batch_size  grad_accum   samples/s  compile_s",
-        "     1            2          32                 8           2       672.7        3.0",
-        "     2            2          32                16           1       600.0        1.0",
+        "  rank  num_devices  batch_size  micro_batch_size  grad_accum   samples/s   estimated"
+        "  compile_s",
+        "     1            2          32                 8           2       672.7       668.1"
+        "        3.0",
+        "     2            2          32                16           1       600.0           -"
+        "        1.0",
     ]
     # a compile difference that would print as 0.0 s is left out; one step is one step
     summary["compile_break_even"] = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -144,3 +145,29 @@ def test_the_tune_callback_records_streams_and_stops(tmp_path):
     # a trial stopped before it reported (the search was already confident) is not a result
     log.on_trial_complete(0, [], SimpleNamespace(trial_id="late", config={}))
     assert len(run.trials()) == len(rows)
+
+
+def test_a_tie_is_in_the_stream_the_summary_and_its_table_starts_with_the_recommendation():
+    from mbtune.recommend.confidence import SearchModel
+    from mbtune.report import summary_lines
+
+    # a busy machine: every micro-batch size on 2 devices within a few percent, repeats
+    # 5-10% apart; 1 device half as fast
+    looks = {1: (735, 660), 2: (700, 790), 4: (680, 780), 8: (775, 690), 16: (700, 790)}
+    rows = [row(1, 8, 350), row(1, 32, 340)]
+    rows += [row(2, m, v) for m, values in looks.items() for v in values]
+    rows = [dataclasses.replace(r, trial=i) for i, r in enumerate(rows, start=1)]
+    model = SearchModel(tuple(sorted({p.canonical() for p in POINTS})), noise_floor=0.035)
+    reporter = Reporter(model)
+    rec = reporter.update(rows)
+    assert rec is not None and rec.tie is not None
+    assert rec.record()["tie"] == rec.tie and rec.confidence < 90
+    first, tie = rec.line().split("\n")
+    assert LINE.match(first) and tie.startswith("mbtune: a tie within ")
+    summary = reporter.summary(rows, "tie", [rec.record()])
+    assert summary["tie"] == rec.tie
+    top = summary["top"][0]
+    assert (top["num_devices"], top["micro_batch_size"]) == (2, rec.config.micro_batch_size)
+    assert summary["recommended"] == top
+    lines = summary_lines(rows, summary, Path("runs/x"))
+    assert any(line.startswith("  a tie within ") for line in lines)

@@ -75,10 +75,10 @@ def test_the_search_streams_recommendations_and_stops_when_confident(ray_session
     import json
 
     lines = []
-    exp = replay_experiment(tmp_path, sampler="grid", confidence_target=50)
+    exp = replay_experiment(tmp_path, sampler="model", confidence_target=50)
     outcome = run_search(exp, echo=lines.append)
     rows, run = outcome.rows, outcome.run
-    assert len(rows) < 11  # stopped before the grid was done
+    assert len(rows) < 11  # stopped before the space was measured
     assert any(line == "mbtune: stopping: the confidence score reached its target 50"
                for line in lines)  # fmt: skip
     records = [json.loads(x) for x in run.recommendations_file.read_text().splitlines()]

@@ -5,6 +5,7 @@ Llama built from its config)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -190,3 +191,61 @@ def test_a_sharded_trial_on_two_workers_has_the_loss_of_one_process(ray_session)
     assert (one.status, one.parallel, one.grad_accum_steps) == ("ok", "simulate", 4)
     assert sharded.loss == pytest.approx(one.loss, rel=1e-4)
     assert 3 < one.loss < 5  # about ln(64): random tokens of a vocabulary of 64
+
+
+# -- simulate: rank 0 of N alone on the fake process group ------------------------------
+
+
+def test_a_unit_gathered_and_scattered_once_moves_an_all_reduce():
+    from mbtune.trial.trial import fsdp_sync_s, ring_allreduce_s, ring_gather_s
+
+    link = (1e9, 5e-6)
+    one = BatchConfig(4, 4, 1, reshard_after_forward=False)  # g = 1, root only
+    assert fsdp_sync_s(((1000, 1000),), one, *link) == pytest.approx(
+        ring_allreduce_s(1000, 4, *link)
+    )
+    assert ring_gather_s(1000, 4, *link) == pytest.approx(0.75 * 1000 / 1e9 + 3 * 5e-6)
+    # a block and the root, g = 2: the block gathered twice a micro-batch (reshard after
+    # forward), the root once; reduce-scattered once a step (last) or per micro-batch
+    units, rs = ((400, 800), (100, 200)), ring_gather_s
+    last = BatchConfig(8, 4, 1)
+    assert fsdp_sync_s(units, last, *link) == pytest.approx(
+        4 * rs(400, 4, *link) + rs(800, 4, *link) + 2 * rs(100, 4, *link) + rs(200, 4, *link)
+    )
+    every = BatchConfig(8, 4, 1, grad_sync="every")
+    assert fsdp_sync_s(units, every, *link) == pytest.approx(
+        4 * rs(400, 4, *link) + 2 * rs(800, 4, *link) + 2 * rs(100, 4, *link)
+        + 2 * rs(200, 4, *link)
+    )  # fmt: skip
+
+
+def test_a_simulated_sharded_trial_holds_rank_0s_shard_and_models_fsdps_collectives():
+    """N = 4 simulated: rank 0 alone on the fake process group holds a quarter of the
+    weights, gradients and Adam states (the peak is below the unsharded simulated trial's),
+    and its step is its compute plus the modelled all-gathers and reduce-scatters."""
+    assert TrialConfig(sharding="fsdp").parallel == "simulate"  # no longer refused
+    gpt = {"name": "gpt", "n_layer": 6, "d_model": 384, "n_head": 4, "seq_len": 8,
+           "vocab_size": 256, "dropout": 0.0}  # fmt: skip
+
+    def experiment(sharding: str) -> object:
+        exp = _experiment(gpt, sharding, batch_size=8, parallel="simulate")
+        trial = dataclasses.replace(exp.trial, measure_steps=2, link_bandwidth=10**9)
+        return dataclasses.replace(exp, trial=trial)
+
+    config = BatchConfig(8, 4, 1)  # 2 samples a device, g = 2
+    sharded = run_trial(experiment("fsdp"), config)  # first: the peak is the process's
+    assert (sharded.status, sharded.reason, sharded.sharding) == ("ok", None, "fsdp")
+    assert sharded.loss is not None and 4 < sharded.loss < 7  # about ln(256)
+    assert sharded.comm_time_ms > 0
+    assert sharded.step_time_ms_median == pytest.approx(
+        sharded.compute_time_ms + sharded.comm_time_ms, rel=0.05
+    )
+    whole = run_trial(experiment("none"), config)
+    assert (whole.status, whole.sharding) == ("ok", "none")
+    print(f"comm {sharded.comm_time_ms:.2f} ms (none: {whole.comm_time_ms:.2f}), compute "
+          f"{sharded.compute_time_ms:.2f} ms; peak fsdp {sharded.peak_memory_bytes / 2**20:.0f}"
+          f" MiB, none {whole.peak_memory_bytes / 2**20:.0f} MiB")  # fmt: skip
+    # each block gathered twice a micro-batch (g = 2) and reduce-scattered once: more
+    # traffic than DDP's one all-reduce
+    assert sharded.comm_time_ms > whole.comm_time_ms
+    assert sharded.peak_memory_bytes < whole.peak_memory_bytes

@@ -66,11 +66,19 @@ def test_each_appended_row_is_an_update_and_a_torn_one_is_none(tmp_path):
         "mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 1, batch_size: 32), "
         "estimated performance: 3.00x base, confidence score: 10 (out of 100)"
     )
+    tie = {"members": [{"batch_size": 32, "num_devices": 1, "micro_batch_size": m}
+                       for m in (4, 8)], "width": 0.012, "probability": 0.93,
+           "rule": "the rule", "sure": []}  # fmt: skip
+    run.append_recommendation({**recommendation_record(1, 1, 4, 32, 300.0, 10), "tie": tie})
+    assert w.poll()[2] == (  # a tie is shown below the recommendation, as the stream has it
+        "a tie within 1.2% on this machine: micro_batch_size 4, 8 at 1 device (batch_size 32);"
+        " recommended: micro_batch_size 4 (the rule)"
+    )
     with run.trials_file.open("a") as f:  # a driver killed while writing a row
         f.write("2,t2,ok,32,2,8")
     assert w.poll() is None  # the one reader never reads a torn row
     run.append_trial({"trial": 2, "trial_id": "t2", **trial_row(32, 2, 8, status="oom")})
-    assert w.poll()[2] == "trials      [###...........................] 2 of 20 (1 not ok)"
+    assert w.poll()[3] == "trials      [###...........................] 2 of 20 (1 not ok)"
     assert not w.ended
     run.write_json("summary.json", {"status": "finished"})
     assert w.poll()[-1] == f"the run has ended (finished): {run.path / 'summary.json'}"

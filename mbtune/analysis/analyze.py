@@ -1,10 +1,12 @@
-"""``mbtune analyze``: a run's report and plots, two runs side by side, or a run's
+"""``mbtune analyze``: a run's report and plots (and its plan, where the experiment has a
+plan section or ``--set plan.KEY=VALUE`` gives one), two runs side by side, or a run's
 recommendation as another framework's snippet.
 
 The command line passes its arguments to :func:`analyze`, which checks them and does the
 work with the modules that own each part: mbtune.runs reads, mbtune.analysis.frames ranks
-and reports, mbtune.analysis.plots draws, mbtune.analysis.export writes the snippet and
-mbtune.report says the recommendation. What is not for the terminal reader (the plots
+and reports, mbtune.analysis.plots draws, mbtune.analysis.export writes the snippet,
+mbtune.plan plans (counting the model's bytes imports torch: only then) and
+mbtune.report says the recommendation. What is not for the terminal reader (the files
 written, the export's notes) goes to stderr with csv and json, so that those pipe cleanly.
 """
 
@@ -15,19 +17,27 @@ import operator
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import pandas as pd
 
 from mbtune.analysis import frames as analysis
 from mbtune.analysis.export import check_framework, export_config
+from mbtune.config.rules import ConfigError
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.report import export_header
 from mbtune.runs.load import RunInfo, load_run, run_info
 from mbtune.runs.record import SIZES
 
-__all__ = ["analyze", "compare_two", "export_run", "report_one"]
+if TYPE_CHECKING:  # mbtune.plan imports scipy: only a run with a plan pays for it
+    from mbtune.plan.planner import Plan
+
+__all__ = ["PLAN_TABLE", "analyze", "compare_two", "export_run", "report_one", "run_plan"]
+
+PLAN_TABLE = "plan.csv"
+"""The plan as a table (every configuration considered at each planned device count, with
+its 90% intervals: mbtune.plan.Plan.as_frame), written into the run directory."""
 
 
 def analyze(
@@ -36,13 +46,22 @@ def analyze(
     fmt: str = "table",
     export: str | None = None,
     plots: bool = True,
+    plan_overrides: Sequence[str] = (),
 ) -> None:
-    """One run directory: its report and plots, or with ``export`` its recommendation as
-    that framework's snippet; two: compared (b against a)."""
+    """One run directory: its report and plots (and its plan, with ``plan_overrides``:
+    ``plan.KEY=VALUE`` items), or with ``export`` its recommendation as that framework's
+    snippet; two: compared (b against a)."""
     if len(run_dirs) > 2:
         raise MbtuneError(
             f"analyze: give one run directory, or two to compare; got {len(run_dirs)}"
         )
+    for item in plan_overrides:
+        if not item.startswith("plan."):
+            raise ConfigError(
+                "--set", f"mbtune analyze sets the plan's keys only (plan.KEY=VALUE), got {item!r}"
+            )
+    if plan_overrides and (len(run_dirs) != 1 or export is not None):
+        raise ConfigError("--set", "plans one run: give one run directory and no --export")
     if export is not None:
         check_framework(export)  # before any run is read
         if len(run_dirs) != 1:
@@ -54,25 +73,64 @@ def analyze(
     elif export is not None:
         export_run(*runs[0], export)
     else:
-        report_one(*runs[0], fmt=fmt, plots=plots, notes=notes)
+        report_one(*runs[0], fmt=fmt, plots=plots, notes=notes, plan_overrides=plan_overrides)
 
 
 def report_one(
-    trials: pd.DataFrame, info: RunInfo, *, fmt: str, plots: bool, notes: TextIO
+    trials: pd.DataFrame,
+    info: RunInfo,
+    *,
+    fmt: str,
+    plots: bool,
+    notes: TextIO,
+    plan_overrides: Sequence[str] = (),
 ) -> None:
-    """Print one run's report and write its plots into it (``notes``: where to say so)."""
+    """Print one run's report (and plan) and write its plots (and plan.csv) into it
+    (``notes``: where to say so)."""
     if trials.empty:
         raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
     print(analysis.run_report(trials, info, fmt), end="")
     if not analysis.has_ok_trial(trials):  # the failed trials are shown, then the error
         raise MbtuneError(analysis.no_ok_trial_message(trials, info.path))
+    plan = None
+    if plan_overrides or info.experiment.plan is not None:
+        plan = run_plan(info, plan_overrides, notes=notes)
+    if plan is not None and fmt in ("table", "markdown"):
+        from mbtune.plan.planner import plan_lines
+
+        text = "\n".join(plan_lines(plan))
+        print("\n" + (f"```\n{text}\n```" if fmt == "markdown" else text))
     if plots:
-        from mbtune.analysis.plots import write_plots
+        from mbtune.analysis.plots import PLAN_PLOT, plan_figure, save, write_plots
 
         written, skipped = write_plots(trials, info)
+        if plan is not None:
+            written.append(save(plan_figure(plan, title=info.name), info.path / PLAN_PLOT))
         print("plots: " + ", ".join(str(p) for p in written), file=notes)
         for line in skipped:
             print(line, file=notes)
+    if plan is not None:
+        path = info.path / PLAN_TABLE
+        try:
+            plan.as_frame().to_csv(path, index=False)
+        except OSError as e:
+            raise MbtuneError(f"cannot write {path}: {e.strerror or e}") from None
+        print(f"plan: {path}", file=notes)
+
+
+def run_plan(info: RunInfo, overrides: Sequence[str], *, notes: TextIO) -> Plan | None:
+    """The plan of ``info``'s run: its experiment's plan section with ``overrides``. Where
+    the section alone cannot be planned, one line on ``notes`` says why and the report
+    stands (None); what ``--set`` asked for is an error."""
+    from mbtune.plan.planner import plan_run
+
+    try:
+        return plan_run(info.path, overrides)
+    except MbtuneError as e:
+        if overrides:
+            raise
+        print(f"mbtune: no plan: {e}", file=notes)
+        return None
 
 
 def compare_two(

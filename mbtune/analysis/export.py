@@ -17,7 +17,9 @@ model, FSDP2) is exported as each framework shards: transformers' ``fsdp`` and
 ``fsdp_config`` (FSDP2), Accelerate's FSDP plugin config, Lightning's ``FSDPStrategy``,
 DeepSpeed's ZeRO stage 3 (2 where the parameters stay gathered after the forward pass),
 Composer's FSDP, Megatron-LM's torch FSDP2 and torchtitan's data-parallel shard degree;
-Cerebras has no counterpart, and says so.
+Cerebras has no counterpart, and says so. The configuration's ``reshard_after_forward``
+picks each one's ZeRO-3-like or ZeRO-2-like setting, and its ``grad_sync: every`` becomes
+Accelerate's ``sync_each_batch`` (transformers: through ``accelerator_config``), or a note.
 """
 
 from __future__ import annotations
@@ -115,13 +117,16 @@ def export_config(
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     sharding: str = "none",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> Export:
     """``config`` as ``framework``'s snippet, with the ``precision`` (fp32, tf32, bf16,
     fp16), the activation checkpointing (``activation_checkpointing`` or ``config``'s own)
     and the ``sharding`` (``none``, ``fsdp``) that were measured in the framework's own
     keys, or a note where it has none. ``reshard_after_forward``: whether a sharded model's
-    parameters were freed after the forward pass (FSDP2's default; ZeRO-3 rather than 2).
+    parameters were freed after the forward pass (FSDP2's default; ZeRO-3 rather than 2);
+    None: ``config``'s own. Sharded, ``config``'s ``grad_sync: every`` (gradients
+    synchronised in every micro-batch) is exported where the framework has a key for it
+    (transformers, Accelerate), else said in a note.
     ``header`` becomes a comment where the format has comments (YAML, TOML, Python,
     arguments; not JSON)."""
     check_framework(framework)
@@ -133,6 +138,9 @@ def export_config(
         raise MbtuneError(f"--export: unknown sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
     fsdp = sharding == "fsdp"
     checkpointing = activation_checkpointing or config.activation_checkpointing
+    if reshard_after_forward is None:
+        reshard_after_forward = config.reshard_after_forward
+    sync_every = fsdp and config.grad_sync == "every"
     exported, notes = expressible(framework, config, recommended_batch_size)
     b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
     g = exported.grad_accum_steps
@@ -144,7 +152,7 @@ def export_config(
     if framework == "accelerate":
         text, more = _accelerate(
             comment, n, m, g, precision, fsdp=fsdp, reshard=reshard_after_forward,
-            checkpointing=checkpointing,
+            checkpointing=checkpointing, sync_every=sync_every,
         )  # fmt: skip
         notes += more
     elif framework == "torchtitan":
@@ -196,6 +204,9 @@ def export_config(
         elif checkpointing:  # as measured: torch.utils.checkpoint, non-reentrant
             extra["activation_checkpointing"] = True
             extra["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+        if sync_every:  # Accelerate's GradientAccumulationPlugin, through the Trainer
+            sync = {"sync_each_batch": True}
+            extra["accelerator_config"] = {"gradient_accumulation_kwargs": sync}
         if fsdp:
             notes.append(
                 "keys as transformers 5 reads them: fsdp true and fsdp_config's FSDP2 keys "
@@ -262,6 +273,11 @@ def export_config(
             f"precision tf32: {framework} has no setting for it; call {_TF32_CALL} before "
             "training (TF32 matmuls, fp32 everything else)"
         )
+    if sync_every and framework not in ("accelerate", "hf"):
+        notes.append(
+            f"grad_sync every (gradients reduce-scattered in every micro-batch's backward "
+            f"pass, not only the last's): {framework} has no setting for it; not exported"
+        )
     sharded_setting = fsdp and framework in ("accelerate", "lightning")  # FSDP's own switch
     if checkpointing and framework in _NO_CHECKPOINTING_SETTING and not sharded_setting:
         notes.append(
@@ -284,14 +300,22 @@ def _accelerate(
     fsdp: bool,
     reshard: bool,
     checkpointing: bool,
+    sync_every: bool = False,
 ) -> tuple[str, list[str]]:
     """An ``accelerate launch --config_file`` YAML (FSDP2's plugin where sharded), and the
-    script's two numbers, which the config file has no key for, as its comment."""
+    script's two numbers, which the config file has no key for, as its comment (with
+    ``sync_every``, the accumulation plugin that synchronises every micro-batch)."""
     kind = "FSDP" if fsdp else "MULTI_GPU" if n > 1 else "NO"
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "'no'")  # quoted: YAML's no is false
+    accumulation = (
+        f"gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps={g}, "
+        "sync_each_batch=True)"
+        if sync_every
+        else f"gradient_accumulation_steps={g}"
+    )
     text = (
         f"{comment}# in the training script:\n"
-        f"# accelerator = Accelerator(gradient_accumulation_steps={g})\n"
+        f"# accelerator = Accelerator({accumulation})\n"
         f"# train_loader = DataLoader(train_dataset, batch_size={m})\n"
         f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\n"
         f"mixed_precision: {mixed}\nnum_machines: 1\nnum_processes: {n}\nmachine_rank: 0\n"
@@ -299,7 +323,7 @@ def _accelerate(
     )
     notes = [
         f"accelerate launch --config_file export-accelerate.yaml train.py; in the script "
-        f"Accelerator(gradient_accumulation_steps={g}) and DataLoader(batch_size={m})"
+        f"Accelerator({accumulation}) and DataLoader(batch_size={m})"
     ]
     if fsdp:
         text += (

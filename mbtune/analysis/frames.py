@@ -376,7 +376,7 @@ def compare_report(
             bests.append(float(r["samples_per_s"]))
             speed = r["samples_per_s"]
             c = BatchConfig.from_mapping(r)
-            step = step_suffix(None, c.activation_checkpointing)
+            step = step_suffix(None, *c.settings)
             best = f"best: {sizes(c)}{step}: {speed:,.1f} samples/s"
         else:
             best = "no trial ran ok"

@@ -11,21 +11,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, NullLocator
+from matplotlib.ticker import (
+    FixedLocator,
+    FuncFormatter,
+    LogLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 from mbtune.analysis.frames import best_per_config, ranked_ok, varied_dimensions
 from mbtune.errors import MbtuneError
 from mbtune.runs.load import RunInfo
 from mbtune.runs.record import CONFIG_KEY, SIZES
 
+if TYPE_CHECKING:  # the plan is passed in, made by mbtune.plan (scipy): not imported here
+    from mbtune.plan.planner import Plan, PlanRow
+
 __all__ = [
+    "PLAN_PLOT",
     "PLOT_FILES",
     "compare_figure",
     "confidence_figure",
     "memory_figure",
+    "plan_figure",
     "save",
     "step_time_figure",
     "throughput_figure",
@@ -39,6 +51,9 @@ PLOT_FILES = {
     "confidence": "plot-confidence.png",
 }
 """The file each plot is written to, inside the run directory."""
+
+PLAN_PLOT = "plot-plan.png"
+"""The plan's plot (:func:`plan_figure`), where the run has a plan: ``mbtune analyze``."""
 
 STEP_TIME_BARS = 24
 """At most this many bars in the step-time plot: the best trials, by objective."""
@@ -93,12 +108,8 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
             markersize=16, markeredgecolor="black", zorder=5,
             label=f"best: {best['samples_per_s']:,.0f} samples/s",
         )  # fmt: skip
-    _micro_batch_axis(ax, trials)
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("samples/s (global)")
-    ax.set_title(f"{title}: throughput by micro-batch size")
-    _legend(ax)
-    return fig
+    return _finish(fig, ax, trials, ylabel="samples/s (global)",
+                   title=f"{title}: throughput by micro-batch size")  # fmt: skip
 
 
 def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, title: str) -> Figure:
@@ -121,12 +132,8 @@ def memory_figure(trials: pd.DataFrame, *, device_memory_bytes: int | None, titl
         budget = ""
     else:
         budget = " (no device_memory budget set)"
-    _micro_batch_axis(ax, trials)
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("peak memory per device (MiB)")
-    ax.set_title(f"{title}: peak memory by micro-batch size{budget}")
-    _legend(ax)
-    return fig
+    return _finish(fig, ax, trials, ylabel="peak memory per device (MiB)",
+                   title=f"{title}: peak memory by micro-batch size{budget}")  # fmt: skip
 
 
 def step_time_figure(trials: pd.DataFrame, *, title: str) -> Figure:
@@ -211,16 +218,86 @@ def compare_figure(runs: Sequence[pd.DataFrame], labels: Sequence[str], *, title
             ax.plot(ok.index, ok.to_numpy(), style, color=colors[key], label=f"{label}, {short}")
             _mark_failed(ax, group, colors[key], y=0.0)
     _failure_legend(ax, pd.concat([best_per_config(t) for t in runs])["status"])
-    _micro_batch_axis(ax, pd.concat(runs))
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("samples/s (global)")
-    ax.set_title(title)
-    _legend(ax)
+    return _finish(fig, ax, pd.concat(runs), ylabel="samples/s (global)", title=title)
+
+
+def plan_figure(plan: Plan, *, title: str) -> Figure:
+    """The plan against the device count: above, the hours to train; below, the cost (the
+    device-hours without a price). Each planned count's best configuration (labelled with
+    its sizes) through a band of its 90% interval; the fastest, the cheapest and the
+    cheapest within max_slowdown marked; the node's size drawn where the counts cross it."""
+    fig = Figure(figsize=(6.4, 6.4), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    rows = plan.rows
+    x = [r.config.num_devices for r in rows]
+    price = plan.plan.price_per_device_hour
+    below = ("cost", f"cost at {price:g} per device-hour") if price is not None else (
+        "device_hours", "device-hours (no plan.price_per_device_hour)")  # fmt: skip
+    picks = (  # a row may be several picks: the markers differ in shape and size
+        (plan.fastest, "*", 17, "gold", "fastest"),
+        (plan.cheapest, "D", 10, "none", "cheapest"),
+        (plan.cheapest_within, "s", 16, "none",
+         f"cheapest within {plan.plan.max_slowdown:.0%} of the fastest"),
+    )  # fmt: skip
+    node = plan.plan.devices_per_node
+    for ax, (key, ylabel), color in zip((top, bottom), (("hours", "hours to train"), below),
+                                        ("tab:blue", "tab:green"), strict=True):  # fmt: skip
+        ax.grid(True, alpha=0.3)
+        values = [getattr(r, key) for r in rows]
+        low, high = [v.low for v in values], [v.high for v in values]
+        ax.fill_between(x, low, high, color=color, alpha=0.25, linewidth=0,
+                        label="90% interval")  # fmt: skip
+        ax.vlines(x, low, high, color=color, linewidth=2, alpha=0.5)  # one count: no band
+        ax.plot(x, [v.value for v in values], "o-", color=color, label="best configuration")
+        for row, marker, size, face, label in picks:
+            ax.plot([row.config.num_devices], [getattr(row, key).value], marker,
+                    markersize=size, markerfacecolor=face, markeredgecolor="black",
+                    zorder=5, label=label)  # fmt: skip
+        if min(x) <= node < max(x):
+            ax.axvline(node, color="gray", linestyle=":", label=f"one node ({node} devices)")
+        if max(high) >= 4 * min(low) > 0:  # spans: a ratio reads as a distance
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel(ylabel)
+    top.margins(y=0.15)  # room for the labels
+    for row in rows:
+        top.annotate(_sizes(row), (row.config.num_devices, row.hours.value), fontsize=8,
+                     textcoords="offset points", xytext=(0, 9), ha="center")  # fmt: skip
+    if max(x) >= 4 * min(x):
+        bottom.set_xscale("log", base=2)
+    bottom.xaxis.set_major_locator(FixedLocator(x))
+    bottom.xaxis.set_minor_locator(NullLocator())
+    bottom.set_xticklabels([str(n) for n in x])
+    measured = ", ".join(map(str, plan.device_counts))
+    skipped = ", ".join(str(n) for n, _ in plan.skipped)
+    bottom.set_xlabel(f"num_devices (measured: {measured}"
+                      + (f"; no configuration at {skipped}" if skipped else "") + ")")  # fmt: skip
+    fig.suptitle(f"{title}: {plan.amount}, 90% intervals")
+    _legend(top)
     return fig
+
+
+def _sizes(row: PlanRow) -> str:
+    """A plan row's configuration, short: 'B32 m8', 'B32 m8 ckpt'."""
+    c = row.config
+    return f"B{c.batch_size} m{c.micro_batch_size}" + " ckpt" * c.activation_checkpointing
 
 
 # ---------------------------------------------------------------------------
 # shared
+
+
+def _finish(fig: Figure, ax, trials: pd.DataFrame, *, ylabel: str, title: str) -> Figure:
+    """The ending of a plot over micro_batch_size: its axis, y from 0, the labels, the
+    title and the legend."""
+    _micro_batch_axis(ax, trials)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _legend(ax)
+    return fig
 
 
 def _figure(width: float = 6.4) -> tuple[Figure, object]:

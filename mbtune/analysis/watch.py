@@ -28,7 +28,7 @@ from typing import Any, TextIO
 from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.report import stream_line
+from mbtune.report import stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
 
@@ -65,6 +65,8 @@ def view_lines(view: RunView) -> list[str]:
         lines.append("no recommendation yet: no trial has run successfully")
     else:
         lines.append(_recommendation_line(rec))
+        if rec.get("tie"):
+            lines.append(tie_line(rec["tie"]))
     done = len(view.records)
     not_ok = f" ({failed} not ok)" if failed else ""
     lines.append(f"trials      {_bar(done, view.budget)} {done} of {view.budget}{not_ok}")
@@ -114,20 +116,42 @@ def _best_table(records: Sequence[TrialRecord]) -> list[str]:
         return statistics.geometric_mean(values) if values else None
 
     ranked = sorted(groups.items(), key=lambda item: -(pooled(item[1], "objective") or 0.0))
-    checkpointing = any(c.activation_checkpointing for c in groups)
-    ckpt = f"  {'ckpt':>4}" if checkpointing else ""
+    # a setting of a step only where a configuration has it off its default
+    default = BatchConfig(1, 1, 1)
+    shown_settings = [(key, label) for key, label in _SETTING_LABELS
+                      if any(getattr(c, key) != getattr(default, key) for c in groups)]  # fmt: skip
+    ckpt = "".join(f"  {label:>{len(label)}}" for _, label in shown_settings)
     lines = ["best configurations:",
              f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}"
              f"{ckpt}  {'grad_accum':>10}  {'samples/s':>10}  {'looks':>5}"]  # fmt: skip
     for i, (c, group) in enumerate(ranked[:TOP], start=1):
         speed = pooled(group, "samples_per_s")
         shown = f"{speed:,.1f}" if speed is not None else "-"
-        on = f"  {'on' if c.activation_checkpointing else 'off':>4}" if checkpointing else ""
+        on = "".join(
+            f"  {_setting_word(key, getattr(c, key)):>{len(label)}}"
+            for key, label in shown_settings
+        )
         lines.append(
             f"  {i:>4}  {c.num_devices:>11}  {c.batch_size:>10}  {c.micro_batch_size:>16}{on}"
             f"  {c.grad_accum_steps:>10}  {shown:>10}  {len(group):>5}"
         )
     return lines
+
+
+_SETTING_LABELS = (
+    ("activation_checkpointing", "ckpt"),
+    ("reshard_after_forward", "reshard_after_forward"),
+    ("grad_sync", "grad_sync"),
+)
+"""The settings of a step (mbtune.lattice.SETTINGS) as the best table heads them."""
+
+
+def _setting_word(key: str, value: object) -> str:
+    """on/off for activation checkpointing, true/false for reshard_after_forward, or the
+    value itself (grad_sync's)."""
+    if key == "activation_checkpointing":
+        return "on" if value else "off"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class Watcher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ from mbtune.config.schema import (
     TrainInput,
     TrialConfig,
     lattice_rule,
+    unsharded_rule,
 )
-from mbtune.lattice import MAX_CONFIGS, BatchConfig
+from mbtune.lattice import MAX_CONFIGS, SETTINGS, BatchConfig
 
 __all__ = ["DEFAULT_NOISE_FLOOR", "Experiment"]
 
@@ -73,6 +75,9 @@ class Experiment:
             raise ConfigError("trial.table", "the replay backend needs trial.table: a CSV path")
         if self.trial.parallel == "ddp":
             self._check_ddp()
+        for key in ("reshard_after_forward", "grad_sync"):
+            if key in self.search.space.settings and self.trial.sharding != "fsdp":
+                raise ConfigError(f"search.space.{key}", unsharded_rule(key, self.trial.sharding))
         configs = self.configs()
         if not configs:
             raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
@@ -81,9 +86,12 @@ class Experiment:
             if point not in space:
                 raise ConfigError(
                     f"search.start_points[{i}]",
-                    f"batch_size {point.batch_size}, num_devices {point.num_devices}, "
-                    f"micro_batch_size {point.micro_batch_size} is not in the search space; "
-                    "see `mbtune space` for the valid configurations",
+                    ", ".join(
+                        f"{k} {str(v).lower() if isinstance(v, bool) else v}"
+                        for k, v in point.sizes().items()
+                    )
+                    + " is not in the search space; see `mbtune space` for the valid "
+                    "configurations",
                 )
 
     def _check_ddp(self) -> None:
@@ -129,13 +137,12 @@ class Experiment:
     @property
     def user_config(self) -> BatchConfig | None:
         """The user's own configuration (where the mode fixes m), with the trial's
-        activation checkpointing: the reference for "faster than yours"."""
+        settings of a step (activation checkpointing, and sharded, FSDP's): the reference
+        for "faster than yours"."""
         user = self.train_input.config
         if user is None:
             return None
-        return dataclasses.replace(
-            user, activation_checkpointing=self.trial.activation_checkpointing
-        )
+        return user.with_settings(self.trial.settings)
 
     @property
     def noise_floor(self) -> float:
@@ -151,7 +158,7 @@ class Experiment:
 
     def configs(self) -> list[BatchConfig]:
         """Every configuration the search may try (see lattice.enumerate_configs)."""
-        return _enumerate(self.train_input, self.search.space, self.trial.activation_checkpointing)
+        return _enumerate(self.train_input, self.search.space, self.trial.settings)
 
     def _space_summary(self) -> str:
         t, s = self.train_input, self.search.space
@@ -200,11 +207,20 @@ def _plan_dict(plan: PlanConfig) -> dict[str, Any]:
     }
 
 
-def _enumerate(t: TrainInput, s: SpaceConfig, checkpointing: bool) -> list[BatchConfig]:
-    """The lattice of (B, n, m), once per activation checkpointing setting of the space."""
+def _enumerate(t: TrainInput, s: SpaceConfig, settings: tuple[Any, ...]) -> list[BatchConfig]:
+    """The lattice of (B, n, m), once per combination of the settings the space lists (the
+    trial's own ``settings`` for those it does not)."""
     sizes = _enumerate_sizes(t, s)
-    flags = s.activation_checkpointing or (checkpointing,)
-    return [dataclasses.replace(c, activation_checkpointing=f) for f in flags for c in sizes]
+    listed = s.settings
+    choices = [listed.get(key, (own,)) for key, own in zip(SETTINGS, settings, strict=True)]
+    combos = list(itertools.product(*choices))
+    if len(sizes) * len(combos) > MAX_CONFIGS:
+        raise ConfigError(
+            "search.space",
+            f"{len(sizes):,} sizes x {len(combos)} combinations of "
+            f"{', '.join(listed)} are more than {MAX_CONFIGS:,} configurations; narrow its ranges",
+        )
+    return [c.with_settings(combo) for combo in combos for c in sizes]
 
 
 def _enumerate_sizes(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:

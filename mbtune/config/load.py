@@ -273,8 +273,15 @@ def _parse_space(raw: Any, base: Path) -> SpaceConfig:
                 converted[key] = _range(value)
         elif key != "batch_size":
             converted[key] = (value,) if _is(value, int) else _tuple(value, int)
-    flags = sec.get("activation_checkpointing")
-    converted["activation_checkpointing"] = (flags,) if _is(flags, bool) else _tuple(flags, bool)
+    for key, kind in (
+        ("activation_checkpointing", bool),
+        ("reshard_after_forward", bool),
+        ("grad_sync", str),
+    ):
+        value = sec.get(key)
+        if kind is str:  # a choice, in any case (as a section's choices are read)
+            value = [_lower(v) for v in value] if isinstance(value, list) else _lower(value)
+        converted[key] = (value,) if _is(value, kind) else _tuple(value, kind)
     return _build(SpaceConfig, sec, **converted)
 
 
@@ -391,6 +398,10 @@ def _keys(cls: type, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
 def _is(value: Any, kind: type) -> bool:
     """``value`` is a ``kind`` (an int is never a bool here, as in YAML)."""
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
 
 
 def _tuple(value: Any, kind: type) -> Any:

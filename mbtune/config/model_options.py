@@ -27,6 +27,7 @@ __all__ = [
     "check_model_name",
     "check_options",
     "did_you_mean",
+    "hf_config_default",
     "hf_config_key",
     "hf_model_type",
     "one_line",
@@ -227,6 +228,35 @@ def hf_config_key(model_type: str, common: str) -> str | None:
         for base in config.bases
     )
     return own if own in names or inherits else None
+
+
+def hf_config_default(model_type: str, key: str) -> int | None:
+    """The default of the field ``key`` (the config's own name, as :func:`hf_config_key`
+    gives it) of transformers' config of ``model_type``, where it is a whole number written
+    in its source (a transformers 5 field, or a transformers 4 ``__init__`` argument);
+    None where it is not (a default computed at runtime, a composite config, no
+    transformers). Read from the source, as :func:`hf_config_key`: no import."""
+    config = _hf_config_class(model_type)
+    if config is None:
+        return None
+    default: ast.expr | None = None
+    for node in config.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.target.id == key:
+                default = node.value
+        elif isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            args = node.args
+            positional = args.args[len(args.args) - len(args.defaults) :]
+            pairs = [
+                *zip(positional, args.defaults, strict=True),
+                *zip(args.kwonlyargs, args.kw_defaults, strict=True),
+            ]
+            default = next((d for a, d in pairs if a.arg == key), default)
+    try:
+        value = ast.literal_eval(default) if default is not None else None
+    except (ValueError, TypeError, SyntaxError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _hf_config_class(model_type: str) -> ast.ClassDef | None:

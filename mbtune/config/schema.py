@@ -33,7 +33,14 @@ from mbtune.config.rules import (
     number,
     show,
 )
-from mbtune.lattice import MAX_CONFIGS, BatchConfig, LatticeError
+from mbtune.lattice import (
+    GRAD_SYNCS,
+    MAX_CONFIGS,
+    SETTINGS,
+    BatchConfig,
+    GradSync,
+    LatticeError,
+)
 
 __all__ = [
     "BACKENDS",
@@ -64,6 +71,7 @@ __all__ = [
     "TrainInput",
     "TrialConfig",
     "lattice_rule",
+    "unsharded_rule",
 ]
 
 Sampler = Literal["tpe", "gp", "random", "model", "grid", "halving", "doubling"]
@@ -260,6 +268,12 @@ class SpaceConfig:
     """One global batch, or a {min, max} range: B is then free, B = n x m x g."""
     activation_checkpointing: tuple[bool, ...] | None = None
     """``[false, true]`` searches with and without activation checkpointing."""
+    reshard_after_forward: tuple[bool, ...] | None = None
+    """``[true, false]`` searches FSDP2 freeing each block's parameters after the forward
+    pass (ZeRO-3-like) and keeping them (ZeRO-2-like); needs ``trial.sharding: fsdp``."""
+    grad_sync: tuple[GradSync, ...] | None = None
+    """``[last, every]`` searches reducing gradients once per step and in every
+    micro-batch (mbtune.lattice.GradSync); needs ``trial.sharding: fsdp``."""
     source: str = "inline"
     """Where the space came from: ``inline``, a name from search_spaces/, or a path."""
 
@@ -280,15 +294,35 @@ class SpaceConfig:
         if self.batch_size is not None and not isinstance(self.batch_size, IntRange):
             bounds = Bounds(also="a {min, max} range")
             check_number(self.batch_size, f"{self._WHERE}.batch_size", bounds, integer=True)
-        flags = self.activation_checkpointing
-        if flags is not None and (
-            not isinstance(flags, tuple) or not flags or not all(isinstance(v, bool) for v in flags)
+        for key, choices in (
+            ("activation_checkpointing", (False, True)),
+            ("reshard_after_forward", (True, False)),
+            ("grad_sync", GRAD_SYNCS),
         ):
-            raise ConfigError(
-                f"{self._WHERE}.activation_checkpointing",
-                f"expected true, false or [false, true], got "
-                f"{show(list(flags) if isinstance(flags, tuple) else flags)}",
-            )
+            _check_choices(getattr(self, key), f"{self._WHERE}.{key}", choices)
+
+    @property
+    def settings(self) -> dict[str, tuple[Any, ...]]:
+        """The settings of a step (mbtune.lattice.BatchConfig.settings) the space lists."""
+        return {k: getattr(self, k) for k in SETTINGS if getattr(self, k) is not None}
+
+
+def _check_choices(values: Any, where: str, choices: tuple[Any, ...]) -> None:
+    """A setting listed in the space: a non-empty tuple of its ``choices``."""
+    if values is None:
+        return
+    spelled = [str(c).lower() for c in choices]  # as YAML writes them
+    given = list(values) if isinstance(values, tuple) else values
+    if (
+        not isinstance(values, tuple)
+        or not values
+        or not all(any(v is c or (v == c and type(v) is type(c)) for c in choices) for v in values)
+    ):
+        raise ConfigError(
+            where,
+            f"expected {' or '.join(spelled)}, or a list of them such as "
+            f"[{', '.join(spelled)}], got {show(given)}",
+        )
 
 
 DEFAULT_SPACE = SpaceConfig(micro_batch_size=IntRange(1, 4096), source="default")
@@ -310,6 +344,10 @@ class StartPoint:
     """Micro-batch size m."""
     activation_checkpointing: bool = False
     """Whether the model recomputes its blocks' activations."""
+    reshard_after_forward: bool = True
+    """Sharded: whether each block's parameters are freed after the forward pass."""
+    grad_sync: GradSync = "last"
+    """When the gradients are synchronised: ``last`` or ``every`` micro-batch."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
@@ -319,7 +357,12 @@ class StartPoint:
     @property
     def config(self) -> BatchConfig:
         return BatchConfig(
-            self.batch_size, self.num_devices, self.micro_batch_size, self.activation_checkpointing
+            self.batch_size,
+            self.num_devices,
+            self.micro_batch_size,
+            self.activation_checkpointing,
+            self.reshard_after_forward,
+            self.grad_sync,
         )
 
 
@@ -353,6 +396,12 @@ class SearchConfig:
     """Most times one configuration is measured (1: never measure one again)."""
     start_points: tuple[BatchConfig, ...] = ()
     """Configurations to measure first, before the sampler proposes."""
+    predict_memory: bool = True
+    """Before the first trial, predict each configuration's peak memory (``mbtune memory``,
+    on fake tensors) where the budget is known (``trial.device_memory``, or a CUDA card's
+    memory) and record those predicted over it, less ``trial.memory_headroom``, as ``oom``
+    with the reason ``predicted: ...``, without a trial (they do not count against
+    ``num_samples``); false: measure them. Not for replayed trials."""
 
     def __post_init__(self) -> None:
         check_fields(self, "search")
@@ -381,12 +430,14 @@ class TrialConfig:
     device: Device = "auto"
     """``auto`` (CUDA where there is one), ``cpu`` or ``cuda``."""
     parallel: Parallel = "simulate"
-    """``simulate`` (one device's share plus a modelled all-reduce) or ``ddp`` (a Ray Train
+    """``simulate`` (one device's share plus a modelled all-reduce; with ``sharding: fsdp``
+    rank 0's shard plus modelled all-gathers and reduce-scatters) or ``ddp`` (a Ray Train
     run of num_devices DistributedDataParallel workers; see mbtune.trial.ddp)."""
     sharding: Sharding = "none"
     """``none`` (every device holds the whole model) or ``fsdp`` (each ddp worker holds its
-    shard: PyTorch's FSDP2, one unit per block; see mbtune.trial.sharding). fsdp needs
-    ``parallel: ddp``."""
+    shard: PyTorch's FSDP2, one unit per block; see mbtune.trial.sharding). With
+    ``parallel: simulate``, rank 0 of N runs alone on torch's fake process group: its shard,
+    memory and compute real, its all-gathers and reduce-scatters modelled from the link."""
     compile: bool = True
     """Compile the model with torch.compile; compile time is reported apart."""
     compile_mode: CompileMode = "default"
@@ -416,6 +467,15 @@ class TrialConfig:
     activation_checkpointing: bool = False
     """Recompute the model's blocks' activations in the backward pass (memory for
     compute); ``search.space.activation_checkpointing`` searches over it instead."""
+    reshard_after_forward: bool | None = None
+    """``sharding: fsdp`` only: free each block's gathered parameters after its forward
+    pass and gather them again for the backward (true, FSDP2's default: ZeRO-3-like), or
+    keep them until the backward (false: ZeRO-2-like, more memory, less all-gather traffic);
+    None: true. ``search.space.reshard_after_forward`` searches over it instead."""
+    grad_sync: GradSync | None = None
+    """``sharding: fsdp`` only: reduce-scatter the gradients once per step, in the last
+    micro-batch's backward pass (``last``), or in every micro-batch's (``every``: less peak
+    memory, more traffic); None: last. ``search.space.grad_sync`` searches over it instead."""
     peak_tflops: float | None = number(None, positive=True)
     """The device's peak TFLOP/s for the trial's precision, for ``mfu``; None: from the
     table of known devices (mbtune.trial.flops), or no mfu where the device is not in it."""
@@ -434,19 +494,9 @@ class TrialConfig:
                 f"{self.precision} runs on CUDA only, and trial.device is cpu; use bf16 or "
                 "fp32 on the CPU (or auto)",
             )
-        if self.sharding == "fsdp" and (self.parallel != "ddp" or self.backend == "replay"):
-            runs = (
-                "the replay backend runs nothing"
-                if self.backend == "replay"
-                else (
-                    f"trial.parallel is {self.parallel}, where one process stands for every device"
-                )
-            )
-            raise ConfigError(
-                "trial.sharding",
-                f"fsdp shards the model over real workers, and {runs}; set trial.parallel: "
-                "ddp with trial.backend: torch, or sharding: none",
-            )
+        for key in ("reshard_after_forward", "grad_sync"):
+            if getattr(self, key) is not None and self.sharding != "fsdp":
+                raise ConfigError(f"trial.{key}", unsharded_rule(key, self.sharding))
         if self.sharding == "fsdp" and self.precision == "fp16":
             # fp16's gradient scaler must agree on an overflow across the shards, which the
             # trial's plain GradScaler does not
@@ -462,6 +512,16 @@ class TrialConfig:
                 "set; set trial.backend: replay with trial.table, or drift: 0",
             )
 
+    @property
+    def settings(self) -> tuple[bool, bool, str]:
+        """The trial's own settings of a step (mbtune.lattice.BatchConfig.settings), for a
+        space that lists none of them."""
+        return (
+            self.activation_checkpointing,
+            True if self.reshard_after_forward is None else self.reshard_after_forward,
+            self.grad_sync or "last",
+        )
+
     def headroom(self, budget: int | None) -> float:
         """``memory_headroom`` resolved for a budget (None: no budget is known)."""
         if self.memory_headroom is not None:
@@ -476,6 +536,15 @@ class TrialConfig:
         if self.link_latency_us is not None:
             latency_us = self.link_latency_us
         return bandwidth, latency_us * 1e-6
+
+
+def unsharded_rule(key: str, sharding: str) -> str:
+    """Why ``key`` (reshard_after_forward, grad_sync) cannot be set with ``sharding``."""
+    valid = "true or false" if key == "reshard_after_forward" else " or ".join(GRAD_SYNCS)
+    return (
+        f"{key} ({valid}) applies to sharded trials only, and trial.sharding is {sharding}; "
+        f"set trial.sharding: fsdp (with trial.parallel: ddp), or leave {key} out"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

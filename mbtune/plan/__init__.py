@@ -10,7 +10,15 @@ and scipy.
 """
 
 from mbtune.plan.fit import StepModel, fit_step_model, measurements
-from mbtune.plan.planner import Interval, Plan, PlanRow, make_plan, plan_lines, plan_run
+from mbtune.plan.planner import (
+    Interval,
+    Plan,
+    PlanRow,
+    load_plan,
+    make_plan,
+    plan_lines,
+    plan_run,
+)
 
 __all__ = [
     "Interval",
@@ -18,6 +26,7 @@ __all__ = [
     "PlanRow",
     "StepModel",
     "fit_step_model",
+    "load_plan",
     "make_plan",
     "measurements",
     "plan_lines",

@@ -135,8 +135,9 @@ def measurements(records: Sequence[TrialRecord], drift: float) -> list[Measureme
             comm = 0.0
         elif r.comm_time_ms is not None and r.backend != "replay":  # a replay's is folded in
             comm = r.comm_time_ms / 1e3
-            if r.sharding == "fsdp":  # timed: one all-gather and one reduce-scatter; a step
-                comm *= (2 * (r.grad_accum_steps or 1) + 1) / 2  # has 2g + 1 (sync_s)
+            if r.sharding == "fsdp" and r.parallel == "ddp":  # timed: one all-gather and
+                comm *= (2 * (r.grad_accum_steps or 1) + 1) / 2  # one reduce-scatter; a step
+                # has 2g + 1 (sync_s); simulate's is the step's own, modelled
         own = 0.0
         if r.step_time_ms_iqr and r.step_time_ms_median and len(r.step_times_ms) > 1:
             own = r.step_time_ms_iqr / _IQR_TO_SD / r.step_time_ms_median

@@ -39,6 +39,7 @@ __all__ = [
     "Interval",
     "Plan",
     "PlanRow",
+    "load_plan",
     "make_plan",
     "plan_lines",
     "plan_run",
@@ -89,6 +90,11 @@ class PlanRow:
     device_hours: Interval
     cost: Interval | None
     """None: the plan has no price."""
+    confidence: int | None = None
+    """For the best row of a device count: the probability, in percent (at most 99), that
+    it is within 2% of the fastest configuration at that count, from the same draws as
+    the intervals (which draw the link too: at a device count nobody measured, the link
+    model's doubt is in it). None for a row that is not a pick."""
 
     def as_dict(self) -> dict[str, Any]:
         c = self.config
@@ -97,6 +103,9 @@ class PlanRow:
             "batch_size": c.batch_size,
             "micro_batch_size": c.micro_batch_size,
             "activation_checkpointing": c.activation_checkpointing,
+            "reshard_after_forward": c.reshard_after_forward,
+            "grad_sync": c.grad_sync,
+            "confidence": self.confidence,
             "samples_per_s": self.samples_per_s.as_dict(),
             "hours": self.hours.as_dict(),
             "device_hours": self.device_hours.as_dict(),
@@ -124,13 +133,45 @@ class Plan:
     device_counts: tuple[int, ...]
     """The device counts the run measured."""
     grad_bytes: int
+    model: StepModel
+    """The fitted step model the rows were read from."""
+    candidates: tuple[tuple[BatchConfig, ...], ...]
+    """Every configuration considered at each row's device count (in the rows' order)."""
+    tokens_per_sample: float | None
+    """What ``plan.tokens`` is divided by; None where the plan counts no tokens."""
+
+    @property
+    def amount(self) -> str:
+        """What the real run trains on, in words: '2e+09 samples', '1e+12 tokens'."""
+        p = self.plan
+        if p.samples is not None:
+            return f"{p.samples:,.4g} samples"
+        return f"{p.tokens:,.4g} tokens" if p.tokens is not None else f"{p.steps:,} steps"
+
+    def configurations(self) -> tuple[PlanRow, ...]:
+        """Every configuration considered at each planned device count, fewest hours first
+        within a count (the first of each count is its row)."""
+        return tuple(
+            row
+            for configs in self.candidates
+            for row in sorted(
+                (_row_of(self.model, c, self.plan, self.tokens_per_sample) for c in configs),
+                key=lambda r: r.hours.value,
+            )
+        )
 
     def as_frame(self) -> pd.DataFrame:
-        """The rows as pandas: one per planned device count, its configuration, and each of
-        samples_per_s, hours, device_hours, cost as three columns (``_low``, ``_high``)."""
-        records = []
-        for row in self.rows:
+        """The plan as pandas: one row per planned device count and configuration of the
+        search space there (:meth:`configurations`), ``best`` True on each count's row (and
+        ``confidence``: how sure that pick is); its sizes, ``samples`` (to train on), and
+        each of samples_per_s, hours, device_hours, cost as three columns (the value,
+        ``_low`` and ``_high``: the 90% interval)."""
+        records, best = [], {r.config: r.confidence for r in self.rows}
+        for row in self.configurations():
             flat = {k: v for k, v in row.as_dict().items() if not isinstance(v, dict | None)}
+            flat["best"] = row.config in best
+            flat["confidence"] = best.get(row.config)
+            flat["samples"] = row.samples
             for key in ("samples_per_s", "hours", "device_hours", "cost"):
                 interval = getattr(row, key)
                 for part in ("value", "low", "high"):
@@ -191,6 +232,14 @@ def plan_run(
     return make_plan(experiment, records, grad_bytes=grad_bytes, draws=draws)
 
 
+def load_plan(
+    run_dir: str | Path, overrides: Sequence[str] = (), *, grad_bytes: int | None = None
+) -> pd.DataFrame:
+    """``mbtune.load_plan``: the plan of a run directory as pandas (:meth:`Plan.as_frame`:
+    one row per planned device count and configuration, with 90% intervals)."""
+    return plan_run(run_dir, overrides, grad_bytes=grad_bytes).as_frame()
+
+
 def _from_here(item: str) -> str:
     """``plan.nccl_tests=PATH`` with PATH made absolute from the current directory: the
     command line's paths are the user's, not the run directory's (where the experiment
@@ -236,13 +285,14 @@ def make_plan(
         seed=seed,
     )
     per_sample = _tokens_per_sample(records) if plan.tokens is not None else None
-    rows, skipped = [], []
+    rows, skipped, considered = [], [], []
     for n in plan.num_devices:
         candidates = [c for c in _configs_at(experiment, n) if model.feasible(c)]
         if not candidates:
             skipped.append((n, _why_none(experiment, model, n)))
             continue
         rows.append(_best_row(model, candidates, plan, per_sample))
+        considered.append(tuple(candidates))
     if not rows:
         _, why = skipped[0]
         raise ConfigError("plan.num_devices", f"no planned device count has a configuration: {why}")
@@ -261,6 +311,9 @@ def make_plan(
         trials=len(found),
         device_counts=model.device_counts,
         grad_bytes=grad_bytes,
+        model=model,
+        candidates=tuple(considered),
+        tokens_per_sample=per_sample,
     )
 
 
@@ -329,36 +382,54 @@ def _why_none(experiment: Experiment, model: StepModel, n: int) -> str:
     )
 
 
+PICK_TOLERANCE = 0.02
+"""A plan's pick is right within 2% of the fastest, as a recommendation is."""
+
+
 def _best_row(
     model: StepModel,
     candidates: list[BatchConfig],
     plan: PlanConfig,
     per_sample: float | None,
 ) -> PlanRow:
-    """The candidate with the fewest predicted hours (draw 0), with its intervals."""
+    """The candidate with the fewest predicted hours (draw 0), with its intervals and how
+    sure the pick is: the share of draws in which it is within the tolerance of the
+    fastest candidate of that draw."""
+    hours = {c: _samples_of(c, plan, per_sample) * model.step_s(c) / c.batch_size
+             for c in candidates}  # fmt: skip
+    best = min(candidates, key=lambda c: float(hours[c][0]))
+    fastest = np.min(np.vstack(list(hours.values())), axis=0)
+    within = float(np.mean(hours[best] * (1 - PICK_TOLERANCE) <= fastest))
+    row = _row_of(model, best, plan, per_sample)
+    return dataclasses.replace(row, confidence=min(99, int(within * 100)))
 
-    def samples_of(c: BatchConfig) -> float:
-        if plan.steps is not None:
-            return float(plan.steps * c.batch_size)
-        if plan.tokens is not None:
-            return plan.tokens / per_sample  # type: ignore[operator]
-        return float(plan.samples)  # type: ignore[arg-type]
 
-    # point estimates first (draw 0 is cheap to read off every draw's array)
-    best = min(candidates, key=lambda c: samples_of(c) * float(model.step_s(c)[0]) / c.batch_size)
-    speed = Interval.of(best.batch_size / model.step_s(best))
-    samples = samples_of(best)
+def _row_of(
+    model: StepModel, config: BatchConfig, plan: PlanConfig, per_sample: float | None
+) -> PlanRow:
+    """``config``'s samples/s, hours, device-hours and cost, with their intervals."""
+    speed = Interval.of(config.batch_size / model.step_s(config))
+    samples = _samples_of(config, plan, per_sample)
     hours = speed.into(samples / 3600)
-    device_hours = hours.times(best.num_devices)
+    device_hours = hours.times(config.num_devices)
     price = plan.price_per_device_hour
     return PlanRow(
-        config=best,
+        config=config,
         samples=samples,
         samples_per_s=speed,
         hours=hours,
         device_hours=device_hours,
         cost=device_hours.times(price) if price is not None else None,
     )
+
+
+def _samples_of(config: BatchConfig, plan: PlanConfig, per_sample: float | None) -> float:
+    """The samples the real run trains on with ``config``."""
+    if plan.steps is not None:
+        return float(plan.steps * config.batch_size)
+    if plan.tokens is not None:
+        return plan.tokens / per_sample  # type: ignore[operator]
+    return float(plan.samples)  # type: ignore[arg-type]
 
 
 def _tokens_per_sample(records: Sequence[TrialRecord]) -> float:
@@ -383,18 +454,13 @@ def _tokens_per_sample(records: Sequence[TrialRecord]) -> float:
 def plan_lines(plan: Plan) -> list[str]:
     """The plan as ``mbtune plan`` and the end of ``mbtune run`` print it."""
     p = plan.plan
-    amount = (
-        f"{p.samples:,.4g} samples" if p.samples is not None
-        else f"{p.tokens:,.4g} tokens" if p.tokens is not None
-        else f"{p.steps:,} steps"
-    )  # fmt: skip
     counts = ", ".join(map(str, plan.device_counts))
     lines = [
-        f"plan: {amount} on {', '.join(map(str, p.num_devices))} devices, from "
+        f"plan: {plan.amount} on {', '.join(map(str, p.num_devices))} devices, from "
         f"{plan.trials} measured trials at {counts} devices "
         f"({plan.grad_bytes / 1e6:,.1f} MB of gradients a step); 90% intervals",
         f"  {plan.link_basis}",
-        f"  {'devices':>7}  {'batch':>6}  {'micro':>5}  {'ckpt':>4}  "
+        f"  {'devices':>7}  {'batch':>6}  {'micro':>5}  {'ckpt':>4}  {'sure':>4}  "
         f"{'samples/s':>28}  {'hours':>26}  {'device-hours':>30}  "
         + (f"{'cost':>30}" if p.price_per_device_hour is not None else ""),
     ]
@@ -403,6 +469,7 @@ def plan_lines(plan: Plan) -> list[str]:
         lines.append(
             f"  {c.num_devices:>7}  {c.batch_size:>6}  {c.micro_batch_size:>5}  "
             f"{'yes' if c.activation_checkpointing else 'no':>4}  "
+            f"{row.confidence if row.confidence is not None else '-':>4}  "
             f"{_interval(row.samples_per_s):>28}  {_interval(row.hours):>26}  "
             f"{_interval(row.device_hours):>30}  "
             + (f"{_interval(row.cost):>30}" if row.cost is not None else "")

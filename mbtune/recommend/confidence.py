@@ -31,31 +31,49 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    recommendation by more than ``tolerance``, and the unmeasured configurations' threat
    the fraction in which any of them does: what the search weighs when it chooses
    between a new configuration and another look at a measured one (mbtune.search).
+5. **What was never measured.** A value of a searched dimension that no trial measured
+   (a device count, an activation checkpointing setting) is not something the model can
+   speak for: it keeps a chance of ``OPEN_CHANCE`` of holding the best, which the score
+   leaves out (each such value multiplies it by ``1 - OPEN_CHANCE``) until a trial
+   measures it. Device counts included, however many others were measured: a
+   communication cost fitted on them cannot see a link tier between two of them (1, 4
+   and 8 devices measured, 2 the fastest: bench/close_calls.py, docs/confidence.md).
+6. **A tie** (:meth:`SearchModel.assess`). Below the target, the fewest measured
+   configurations that hold the best (within the tolerance) with a probability of at
+   least the target are the contenders. Where there are several, their estimates lie
+   within two measured spreads (drift and step noise) of each other, and each was
+   measured enough (``TIE_LOOKS``), they cannot be told apart at this machine's spread:
+   the search stops on a tie, recommends one of them by a rule (:func:`tie_order`) and
+   says what it was sure of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy.linalg import solve_triangular
 from threadpoolctl import threadpool_limits
 
 from mbtune.lattice import BatchConfig
-from mbtune.runs.record import TrialRecord
+from mbtune.runs.record import CONFIG_KEY, TrialRecord
 
 __all__ = [
     "Assessment",
     "Observation",
     "SearchModel",
+    "Tie",
     "assess",
     "between_trial_drift",
     "observation",
     "relative_step_noise",
+    "tie_order",
 ]
 
 TOLERANCE = 0.02
@@ -71,6 +89,29 @@ DRIFT_PRIOR_DOF = 4
 """How many repeats' worth of evidence ``noise_floor`` counts for as the drift's prior:
 little, so that a run whose repeats disagree (a machine getting busier) or agree (a
 quiet accelerator) soon speaks for itself."""
+
+OPEN_CHANCE = 0.15
+"""The chance a value of a searched dimension that was never measured (and that the
+measured data do not bound) keeps of holding the best: one such value leaves a score of
+at most 85, below the usual target, so the search measures it before it stops."""
+
+TIE_LOOKS = 2
+"""How often each contender of a tie is measured, at least, before the search calls it
+a tie: with two looks each, the spread between repeats is measured on the contenders
+themselves. Enough where the machine's spread is too wide for the looks left to tell
+two apart by the tolerance (``TIE_RESOLVES``), and for contenders within one spread of
+the fastest; otherwise every contender is measured as often as ``search.max_repeats``
+allows."""
+
+TIE_RESOLVES = 2.0
+"""The looks left can tell two configurations apart where the standard error of their
+difference at ``search.max_repeats`` looks each is below this many tolerances (a busy
+machine, 7% between repeats, cannot: bench/close_calls.py --landscape busy; a quiet
+one, 3.5%, can: --landscape close)."""
+
+TIE_SPREADS = 2.0
+"""A tie's members' estimates lie within this many measured spreads of each other."""
+
 
 _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
 _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
@@ -117,6 +158,45 @@ def observation(record: TrialRecord) -> Observation:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """Measured configurations the search cannot tell apart, which together hold the best."""
+
+    members: tuple[BatchConfig, ...]
+    """The recommendation first: those whose estimate is within the tolerance of the
+    fastest's in the order of :func:`tie_order`, then the rest by their estimate."""
+    width: float
+    """How far apart their estimates are: 1 - the slowest's over the fastest's."""
+    probability: float
+    """The probability that one of them is within the tolerance of the best."""
+    sure: tuple[tuple[str, Any, Any, float], ...] = ()
+    """What the search is sure of: (dimension, the members' value, the best other value,
+    how many times faster the best member is than the best configuration with it)."""
+
+    def record(self) -> dict[str, Any]:
+        """As recommendations.jsonl and summary.json carry it."""
+        return {
+            "members": [c.sizes() for c in self.members],
+            "width": round(self.width, 4),
+            "probability": round(self.probability, 3),
+            "rule": TIE_RULE,
+            "sure": [
+                {"dimension": d, "value": v, "over": o, "speedup": round(x, 3)}
+                for d, v, o, x in self.sure
+            ],
+        }
+
+
+TIE_RULE = "among those within 2% of the fastest: the fewest devices, then the fastest"
+"""How a tie picks its recommendation (:func:`tie_order`)."""
+
+
+def tie_order(c: BatchConfig, estimate: float) -> tuple:
+    """A tie's order among its members within the tolerance of the fastest estimate: the
+    fewest devices (at the same throughput, the cheapest), then the highest estimate."""
+    return (c.num_devices, -estimate, c)
+
+
+@dataclass(frozen=True)
 class Assessment:
     """The recommendation after some trials, and how sure it is."""
 
@@ -146,6 +226,24 @@ class Assessment:
     prior alone)."""
     drift_dof: int = 0
     """Degrees of freedom of repeats behind ``drift`` (0: the prior alone)."""
+    estimate: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """Each measured feasible configuration's objective as the model estimates it (the
+    posterior mean): what the recommendation and the table of the best rank by."""
+    unmeasured_values: dict[str, tuple] = field(default_factory=dict)
+    """Values of searched dimensions never measured that the data do not bound (each
+    keeps ``OPEN_CHANCE``), by dimension."""
+    open_points: frozenset[BatchConfig] = field(default_factory=frozenset, repr=False)
+    """The unmeasured configurations with such a value: what the search measures next."""
+    within: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """For each measured feasible configuration, the probability that it is within the
+    tolerance of the best (the recommendation's is the score)."""
+    contenders: Tie | None = None
+    """Below the target: the fewest measured configurations that together hold the best
+    with the target's probability, where they are several (module docstring, 6)."""
+    tie: Tie | None = None
+    """The contenders, where :meth:`SearchModel.assess` found that another look cannot
+    tell them apart (then ``recommended`` is the tie's first member and the score its
+    own)."""
 
 
 def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int]:
@@ -172,17 +270,22 @@ def assess(
     global_objective: bool = True,
     samples: int = 4000,
     seed: int = 0,
+    target: int = 90,
+    sharded: bool = False,
 ) -> Assessment:
     """Recommend a measured configuration and score it, over the space ``points``.
 
     ``global_objective``: the objective grows with the devices (samples/s of all of them),
     so the model learns it per device and multiplies back; False when it is per device.
+    ``target``: the search's, which the contenders hold the best with. ``sharded``: the
+    trials shard the model (``trial.sharding: fsdp``), which decides what an out of
+    memory bounds.
     """
     looks: dict[BatchConfig, list[Observation]] = {}
     for o in observations:  # every repeat of a configuration is an observation of it
         looks.setdefault(o.config, []).append(o)
     counts = {config: len(seen) for config, seen in looks.items()}
-    feasible = _feasible(points, observations)
+    feasible = _feasible(points, observations, sharded=sharded)
     ok = [o for o in observations if o.status == "ok" and o.value and o.config in feasible]
     if not ok:
         return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
@@ -213,7 +316,24 @@ def assess(
     beating = draws + margin > draws[:, [r]]
     beats = beating.mean(axis=0)
     unmeasured_columns = [j for j, i in enumerate(keep) if i not in fitted]
+    unmeasured_threat = float(beating[:, unmeasured_columns].any(axis=1).mean())
+    estimate = {candidates[i]: math.exp(v) for i, v in fitted.items()}
+    unbounded = _unmeasured_values(
+        candidates, [o.config for o in observations if o.status != "oom"]
+    )
+    held_open = (1 - OPEN_CHANCE) ** sum(map(len, unbounded.values()))
+    probability *= held_open
+    unmeasured_threat = max(unmeasured_threat, 1 - held_open)
+    open_points = frozenset(
+        c for c in candidates
+        if c not in estimate and any(getattr(c, d) in v for d, v in unbounded.items())
+    )  # fmt: skip
     recommended = candidates[best_measured]
+    columns = {candidates[i]: j for j, i in enumerate(keep) if i in fitted}
+    each = within_draws(draws, margin)
+    contenders = None
+    if probability * 100 < target:
+        contenders = _contenders(each, columns, estimate, held_open, target=target)
     values = [o.value for o in ok if o.config == recommended]
     return Assessment(
         recommended=recommended,
@@ -225,10 +345,92 @@ def assess(
         p_best={candidates[i]: float(p) for i, p in zip(keep, winners, strict=True)},
         threat={candidates[i]: float(p) for i, p in zip(keep, beats, strict=True)},
         looks=counts,
-        unmeasured_threat=float(beating[:, unmeasured_columns].any(axis=1).mean()),
+        unmeasured_threat=unmeasured_threat,
         drift=drift,
         drift_dof=drift_dof,
+        estimate=estimate,
+        unmeasured_values=unbounded,
+        open_points=open_points,
+        within={c: float(each[:, j].mean()) * held_open for c, j in columns.items()},
+        contenders=contenders,
     )
+
+
+def within_draws(draws: np.ndarray, margin: float) -> np.ndarray:
+    """For each draw (row) and configuration (column): within the tolerance of the draw's
+    best (``margin``: the log of 1 - tolerance)."""
+    return draws >= draws.max(axis=1, keepdims=True) + margin
+
+
+def _unmeasured_values(
+    candidates: Sequence[BatchConfig], measured: Iterable[BatchConfig]
+) -> dict[str, tuple]:
+    """Values of the searched dimensions (beyond the batch and micro-batch sizes) that
+    candidates take and no trial ``measured`` (ok, or failed otherwise than out of
+    memory: a value that cannot run has had its look)."""
+    measured = list(measured)
+    out: dict[str, tuple] = {}
+    for dim in CONFIG_KEY:
+        if dim in ("batch_size", "micro_batch_size"):
+            continue
+        seen = {getattr(c, dim) for c in measured}
+        never = sorted({getattr(c, dim) for c in candidates} - seen)
+        if never:
+            out[dim] = tuple(never)
+    return out
+
+
+def _contenders(
+    within: np.ndarray,
+    columns: dict[BatchConfig, int],
+    estimate: dict[BatchConfig, float],
+    held_open: float,
+    *,
+    target: int,
+) -> Tie | None:
+    """The fewest measured configurations (added in order of their own chance of being
+    within the tolerance of the best) that together hold it with a probability of at
+    least ``target``, where they are several; None where none do together."""
+    alone = {c: float(within[:, j].mean()) for c, j in columns.items()}
+    members: list[BatchConfig] = []
+    held = np.zeros(len(within), dtype=bool)
+    for c in sorted(alone, key=lambda c: (-alone[c], c)):
+        members.append(c)
+        held |= within[:, columns[c]]
+        if held.mean() * held_open * 100 >= target:
+            break
+    else:
+        return None
+    if len(members) < 2:
+        return None
+    fastest = max(estimate[c] for c in members)
+    # the rule picks among the members as fast as the fastest within the tolerance: where
+    # the estimates say one is faster by more, it stays first
+    close = [c for c in members if estimate[c] >= fastest * (1 - TOLERANCE)]
+    members = sorted(close, key=lambda c: tie_order(c, estimate[c])) + sorted(
+        (c for c in members if c not in close), key=lambda c: -estimate[c]
+    )
+    return Tie(
+        members=tuple(members),
+        width=1 - min(estimate[c] for c in members) / fastest,
+        probability=float(held.mean() * held_open),
+        sure=tuple(_sure(members, estimate, fastest)),
+    )
+
+
+def _sure(
+    members: Sequence[BatchConfig], estimate: dict[BatchConfig, float], fastest: float
+) -> Iterator[tuple[str, Any, Any, float]]:
+    """What a tie's members agree on, against the best measured configuration that
+    differs there: (dimension, their value, its value, how much faster they are)."""
+    for dim in CONFIG_KEY:
+        if dim == "micro_batch_size":
+            continue
+        values = {getattr(c, dim) for c in members}
+        others = [c for c in estimate if getattr(c, dim) not in values]
+        if len(values) == 1 and others:
+            rival = max(others, key=estimate.__getitem__)
+            yield dim, values.pop(), getattr(rival, dim), fastest / estimate[rival]
 
 
 def _step_var(spread: float, o: Observation) -> float:
@@ -274,55 +476,108 @@ class SearchModel:
     noise_floor: float = 0.0
     global_objective: bool = True
     seed: int = 0
+    target: int = 90
+    """search.confidence_target: a tie holds the best with at least this probability."""
+    max_repeats: int = 3
+    sharded: bool = False
+    """``trial.sharding: fsdp``: an out of memory bounds fewer devices only."""
 
     def assess(self, observations: Sequence[Observation]) -> Assessment:
+        """The assessment of ``observations``, with the tie where its contenders cannot
+        be told apart (module docstring, 6)."""
         return _remembered(self, tuple(observations))
+
+    def _score(self, observations: tuple[Observation, ...]) -> Assessment:
+        return assess(
+            self.points,
+            observations,
+            noise_floor=self.noise_floor,
+            global_objective=self.global_objective,
+            seed=self.seed,
+            target=self.target,
+            sharded=self.sharded,
+        )
+
+    def _tie(self, a: Assessment, observations: tuple[Observation, ...]) -> Tie | None:
+        """The contenders, where another look cannot tell them apart at this machine's
+        spread (module docstring, 6)."""
+        tie = a.contenders
+        if tie is None:
+            return None
+        spread, _ = relative_step_noise(o for o in observations if o.status == "ok")
+        sd = math.sqrt(a.drift**2 + (math.pi / 2) * spread**2 / 5)
+        fastest = max(a.estimate[c] for c in tie.members)
+        # could the looks the search may still take tell two apart by the tolerance?
+        resolvable = sd * math.sqrt(2 / max(1, self.max_repeats)) < TIE_RESOLVES * TOLERANCE
+        for c in tie.members:
+            close = a.estimate[c] >= fastest * (1 - max(TOLERANCE, sd))
+            looks = TIE_LOOKS if close and not resolvable else max(TIE_LOOKS, self.max_repeats)
+            if a.looks.get(c, 0) < min(looks, self.max_repeats):
+                return None
+        return tie if tie.width <= TIE_SPREADS * sd else None
 
 
 @functools.lru_cache(maxsize=4)
 def _remembered(model: SearchModel, observations: tuple[Observation, ...]) -> Assessment:
-    return assess(
-        model.points,
-        observations,
-        noise_floor=model.noise_floor,
-        global_objective=model.global_objective,
-        seed=model.seed,
+    a = model._score(observations)
+    tie = model._tie(a, observations)
+    if tie is None:
+        return a
+    pick = tie.members[0]
+    values = [o.value for o in observations if o.config == pick and o.status == "ok"]
+    return dataclasses.replace(
+        a,
+        tie=tie,
+        recommended=pick,
+        value=statistics.geometric_mean(values),
+        probability=a.within[pick],
+        confidence=min(MAX_SCORE, int(a.within[pick] * 100)),
     )
 
 
-def _feasible(points: Sequence[BatchConfig], observed: Iterable[Observation]) -> set[BatchConfig]:
+def _feasible(
+    points: Sequence[BatchConfig], observed: Iterable[Observation], *, sharded: bool = False
+) -> set[BatchConfig]:
     """The configurations that can still win: not failed (in every look), not above an
-    out-of-memory size."""
+    out-of-memory size: one that ran out of memory at micro-batch m on n devices bounds
+    every configuration with the same settings of a step (activation checkpointing, and
+    sharded, FSDP's: memory grows with m on each one's own scale) at m or more, on any
+    number of devices (each holds the whole model), or ``sharded``, on n or fewer (each
+    holds a share of it, larger on fewer)."""
     failed: set[BatchConfig] = set()
     ran: set[BatchConfig] = set()
-    # with and without activation checkpointing, memory grows with m on its own scale
-    oom_at: dict[bool, float] = {False: math.inf, True: math.inf}
+    oom_at: dict[tuple, list[tuple[int, int]]] = {}  # settings -> (n, m) out of memory
     for o in observed:
-        ac = o.config.activation_checkpointing
-        if o.status == "oom":
-            oom_at[ac] = min(oom_at[ac], o.config.micro_batch_size)
-        elif o.status != "ok":
-            failed.add(o.config)
-        else:
-            ran.add(o.config)
-        for m in o.oom_micro_batch_sizes:
-            oom_at[ac] = min(oom_at[ac], m)
-    return {
-        c
-        for c in (p.canonical() for p in points)
-        if (c in ran or c not in failed) and c.micro_batch_size < oom_at[c.activation_checkpointing]
-    }
+        c = o.config
+        sizes = [c.micro_batch_size] * (o.status == "oom") + list(o.oom_micro_batch_sizes)
+        oom_at.setdefault(c.settings, []).extend((c.num_devices, m) for m in sizes)
+        if o.status not in ("ok", "oom"):
+            failed.add(c)
+        elif o.status == "ok":
+            ran.add(c)
+
+    def fits(c: BatchConfig) -> bool:
+        return not any(
+            c.micro_batch_size >= m and (c.num_devices <= n or not sharded)
+            for n, m in oom_at.get(c.settings, ())
+        )
+
+    return {c for c in (p.canonical() for p in points) if (c in ran or c not in failed) and fits(c)}
 
 
-def _features(c: BatchConfig) -> tuple[float, float, float, float]:
-    """Octaves of m, n and B, and activation checkpointing (0 or 1): a surface of its own,
-    shifted by the trend and close to the other by the smooth deviation (one unit apart,
-    as an octave is), so that what one setting measures tells of the other."""
+def _features(c: BatchConfig) -> tuple[float, ...]:
+    """Octaves of m, n and B, and each setting of a step as 0 or 1 (activation
+    checkpointing on; sharded, reshard_after_forward off, grad_sync every): each a surface
+    of its own, shifted by the trend and close to the other by the smooth deviation (one
+    unit apart, as an octave is), so that what one setting measures tells of the other. A
+    setting the space does not vary is one value everywhere: centred away (:class:`_Scale`)."""
     return (
         math.log2(c.micro_batch_size),
         math.log2(c.num_devices),
         math.log2(c.batch_size),
         float(c.activation_checkpointing),
+        float(not c.reshard_after_forward),
+        float(c.grad_sync == "every"),
     )
 
 

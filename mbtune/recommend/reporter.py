@@ -25,7 +25,7 @@ from typing import Any
 from mbtune import lattice
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, SearchModel, observation
-from mbtune.report import stream_line
+from mbtune.report import stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 
 __all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config"]
@@ -48,6 +48,11 @@ class StreamRecommendation:
     precision: str | None = None
     """The arithmetic the recommended configuration was measured with."""
     mfu: float | None = None
+    tie: dict[str, Any] | None = None
+    """Where the search cannot tell its contenders apart: the tie's record
+    (mbtune.recommend.confidence.Tie), which stops it."""
+    drift: float | None = None
+    """The relative drift between trials the score allowed for."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -60,10 +65,12 @@ class StreamRecommendation:
             "confidence": self.confidence,
             "precision": self.precision,
             "mfu": self.mfu,
+            **({"tie": self.tie} if self.tie else {}),
         }
 
     def line(self) -> str:
-        return stream_line(
+        """The stream's line, and below it the tie where there is one."""
+        line = stream_line(
             made_at=self.time,
             config=self.config,
             estimated_performance=self.estimated_performance,
@@ -71,6 +78,7 @@ class StreamRecommendation:
             precision=self.precision,
             mfu=self.mfu,
         )
+        return line + (f"\nmbtune: {tie_line(self.tie, self.drift)}" if self.tie else "")
 
 
 class Reporter:
@@ -120,6 +128,8 @@ class Reporter:
             confidence=a.confidence,
             precision=best.precision,
             mfu=_float(best.mfu),
+            tie=a.tie.record() if a.tie else None,
+            drift=a.drift,
         )
         return rec
 
@@ -134,8 +144,8 @@ class Reporter:
         base = _base(history)
         out: dict[str, Any] = {"status": status, "trials": len(records), "recommended": None}
         pooled = per_config(records)
-        ok = sorted(pooled.values(), key=lambda p: -p.record.objective)
-        out["top"] = [_brief(p) for p in ok[:5]]
+        ok = sorted(pooled.values(), key=lambda p: _rank(p, a))
+        out["top"] = [_brief(p, a) for p in ok[:5]]
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
@@ -143,8 +153,9 @@ class Reporter:
         user = pooled.get(self.user_config.canonical()) if self.user_config else None
         user_value = _float(user.record.objective) if user else None
         out.update(
-            recommended=_brief(best),
+            recommended=_brief(best, a),
             confidence=a.confidence,
+            tie=a.tie.record() if a.tie else None,
             speedup_over_base=round(value / base, 3) if base else 1.0,
             user_config=self.user_config.sizes() if self.user_config else None,
             speedup_over_user=round(value / user_value, 3) if user_value else None,
@@ -198,12 +209,34 @@ def _break_even(best: Pooled, top: Sequence[Pooled]) -> list[dict[str, Any]]:
     return out
 
 
-def _brief(p: Pooled) -> dict[str, Any]:
+def _rank(p: Pooled, a: Assessment) -> tuple:
+    """The table of the best configurations in the order of the recommendation: the
+    recommendation first (a tie's members in the tie's order), then by the model's
+    estimate (the measured objective where it has none)."""
+    c = p.record.config.canonical()
+    if a.tie is not None and c in a.tie.members:
+        return (0, a.tie.members.index(c))
+    if c == a.recommended:
+        return (0, 0)
+    return (1, -a.estimate.get(c, p.record.objective))
+
+
+def _estimated_samples_per_s(p: Pooled, a: Assessment | None) -> float | None:
+    """The model's estimate of a configuration's samples/s (its estimate of the
+    objective, in samples/s): what the table ranks by."""
+    r, estimate = p.record, (a.estimate if a else {}).get(p.record.config.canonical())
+    if estimate is None or not r.samples_per_s or not r.objective:
+        return None
+    return round(r.samples_per_s * estimate / r.objective, 3)
+
+
+def _brief(p: Pooled, a: Assessment | None = None) -> dict[str, Any]:
     r = p.record
     return {
         **r.config.sizes(),
         "grad_accum_steps": r.grad_accum_steps or None,
         "samples_per_s": _float(r.samples_per_s),
+        "estimated_samples_per_s": _estimated_samples_per_s(p, a),
         "objective": _float(r.objective),
         "compile_s": _float(r.compile_s),
         "mfu": _float(r.mfu),

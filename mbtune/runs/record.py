@@ -29,12 +29,17 @@ __all__ = [
     "CONFIG_KEY",
     "CSV_COLUMNS",
     "KINDS",
+    "PREDICTED",
     "SIZES",
     "Column",
     "TrialRecord",
     "cell",
     "markdown_table",
 ]
+
+PREDICTED = "predicted"
+"""How the reason of an ``oom`` recorded without a trial begins: the configuration's memory,
+predicted before the search (``search.predict_memory``), is over the budget."""
 
 KINDS = ("int", "float", "bool", "text", "ints", "floats", "datetime")
 """How a column is typed in ``load_run``: int64, float64 (NaN where not measured), bool,
@@ -80,6 +85,19 @@ COLUMNS: tuple[Column, ...] = (
         "activation_checkpointing", "bool", "",
         "whether the blocks' activations were recomputed in the backward pass (false in runs "
         "from before it was recorded)", searched=True,
+    ),
+    Column(
+        "reshard_after_forward", "bool", "",
+        "`sharding: fsdp`: whether each block's parameters were freed after its forward pass "
+        "and gathered again for the backward (true, ZeRO-3-like) or kept (false, ZeRO-2-like); "
+        "true without sharding and in runs from before it was recorded", searched=True,
+    ),
+    Column(
+        "grad_sync", "text", "",
+        "when the gradients were synchronised: `last` (once per step, in the last "
+        "micro-batch's backward pass) or `every` (in each micro-batch's; sharded: less memory, "
+        "more traffic); `last` without sharding and in runs from before it was recorded",
+        searched=True,
     ),
     Column(
         "repeat", "int", "",
@@ -177,7 +195,12 @@ COLUMNS: tuple[Column, ...] = (
         "parallel", "text", "",
         "`simulate` (one device measured, all-reduce modelled) or `ddp` (every device a process)",
     ),
-    Column("reason", "text", "", "why the status is not `ok`"),
+    Column(
+        "reason", "text", "",
+        "why the status is not `ok`; an `oom` whose reason starts with `predicted:` was "
+        "predicted over the memory budget before the search and never run "
+        "(`search.predict_memory`; its row has no `trial_id`)",
+    ),
     Column("note", "text", "", "something to know about the measurement (batch mixing, ...)"),
     Column("finished_at", "datetime", "", "when the trial finished (local time)"),
     Column(
@@ -192,7 +215,8 @@ CSV_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if not c.derived)
 
 CONFIG_KEY: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.searched)
 """What names a configuration: every dimension the search varies (batch_size,
-num_devices, micro_batch_size, activation_checkpointing). Two trials with the same values
+num_devices, micro_batch_size, activation_checkpointing, reshard_after_forward,
+grad_sync). Two trials with the same values
 here measured the same configuration; analysis deduplicates, matches runs and keeps
 pivots and plot lines apart on it."""
 
@@ -219,6 +243,8 @@ class TrialRecord:
     num_devices: int
     micro_batch_size: int
     activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    grad_sync: str = "last"
     repeat: int = 0
     per_device_batch: int | None = None
     grad_accum_steps: int | None = None
@@ -260,15 +286,27 @@ class TrialRecord:
     """(column, text) of the columns a newer trials.csv holds beyond :data:`CSV_COLUMNS`."""
 
     def __post_init__(self) -> None:
-        # a record names a configuration: sizes the lattice refuses (LatticeError) are no trial
-        BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
+        # a record names a configuration: sizes (and a grad_sync) the lattice refuses
+        # (LatticeError) are no trial
+        self.config  # noqa: B018
 
     @property
     def config(self) -> BatchConfig:
-        """The configuration measured (B, n, m as measured, activation checkpointing)."""
+        """The configuration measured (B, n, m as measured, and its settings)."""
         return BatchConfig(
-            self.batch_size, self.num_devices, self.micro_batch_size, self.activation_checkpointing
+            self.batch_size,
+            self.num_devices,
+            self.micro_batch_size,
+            self.activation_checkpointing,
+            self.reshard_after_forward,
+            self.grad_sync,  # type: ignore[arg-type]
         )
+
+    @property
+    def predicted(self) -> bool:
+        """An ``oom`` recorded from the memory prediction before the search, without a
+        trial (its reason starts with :data:`PREDICTED`; mbtune.search)."""
+        return self.status == "oom" and (self.reason or "").startswith(PREDICTED)
 
     @property
     def strict(self) -> bool:
@@ -364,7 +402,7 @@ def _numbers(kind: type) -> Any:
 _PARSE = {
     "int": _whole,
     "float": _number,
-    "bool": lambda text: text.lower() in ("true", "1"),
+    "bool": lambda text: text.lower() in ("true", "1") if text else None,
     "text": lambda text: text or None,
     "datetime": lambda text: text or None,
     "ints": _numbers(int),

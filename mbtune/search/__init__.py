@@ -35,18 +35,21 @@ from mbtune.search._run import (
     trial_resources,
 )
 from mbtune.search._searcher import (
+    RIVAL_MATERIAL,
     MbtuneSearcher,
     another_look,
     make_searcher,
     one_look_reason,
     pack_result,
     settled,
+    strongest_rival,
     unpack_result,
 )
 from mbtune.search._signals import graceful_stop
 
 __all__ = [
     "METRIC",
+    "RIVAL_MATERIAL",
     "ConfidenceStop",
     "DoublingSearcher",
     "GridSearcher",
@@ -67,6 +70,7 @@ __all__ = [
     "search_points",
     "settled",
     "start_ray",
+    "strongest_rival",
     "trial_resources",
     "unpack_result",
 ]

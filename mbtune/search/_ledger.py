@@ -129,9 +129,10 @@ class TrialLog(Callback):
                     target=self.target, trials=len(self.rows),
                 )  # fmt: skip
                 self.settled = settled_after(
-                    self.reporter, self.rows, rec.confidence, rec.config,
-                    target=self.target, max_repeats=self.max_repeats,
-                )  # fmt: skip
+                    self.reporter, self.rows, target=self.target, max_repeats=self.max_repeats
+                )
+            # the board's Ray metrics: the very records just written (mbtune.metrics)
+            progress.recorded(row, self.history[-1] if rec is not None else None)
 
     def _record(self, trial: Any, result: dict | None, crashed: bool) -> TrialRecord | None:
         if any(r.trial_id == trial.trial_id for r in self.rows):
@@ -162,19 +163,11 @@ class TrialLog(Callback):
 
 
 def settled_after(
-    reporter: Reporter,
-    rows: list[TrialRecord],
-    confidence: int,
-    config: BatchConfig,
-    *,
-    target: int,
-    max_repeats: int,
+    reporter: Reporter, rows: list[TrialRecord], *, target: int, max_repeats: int
 ) -> bool:
-    """Whether a search may stop after ``rows``, whose recommendation ``config`` scored
-    ``confidence`` (:func:`mbtune.search.settled`, with how often ``config`` was measured
-    and the drift prior of the reporter's search model)."""
-    looks = reporter.assess(rows).looks.get(config.canonical(), 0)
-    return settled(confidence, looks, target=target, max_repeats=max_repeats,
+    """Whether a search may stop after ``rows`` (:func:`mbtune.search.settled`, on the
+    reporter's search model: the one the searcher proposes with)."""
+    return settled(reporter.assess(rows), target=target, max_repeats=max_repeats,
                    noise_floor=reporter.model.noise_floor)  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 from ray.tune.search import Searcher
 
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import SETTINGS, BatchConfig
 from mbtune.search._study import STUDY_NAME, config_attrs, set_trial_attrs
 
 __all__ = [
@@ -59,19 +59,20 @@ class OptunaSpace:
     """
 
     M_PARAM = "micro_batch_size_log2"
-    AC_PARAM = "activation_checkpointing"
 
     def __init__(self, points: Sequence[BatchConfig]) -> None:
         self.by_n: dict[int, list[int]] = defaultdict(list)
         self.by_nb: dict[tuple[int, int], list[int]] = defaultdict(list)
-        # (B, n, m) once each, whatever settings of activation checkpointing come with it
+        # (B, n, m) once each, whatever settings of a step come with it
         for n, b, m in sorted({(c.num_devices, c.batch_size, c.micro_batch_size) for c in points}):
             if not self.by_n[n] or self.by_n[n][-1] != b:
                 self.by_n[n].append(b)
             self.by_nb[n, b].append(m)
-        self.checkpointing = sorted({c.activation_checkpointing for c in points})
-        """[False], [True] or [False, True]: the last a categorical parameter of its own
-        (every (B, n, m) of the lattice comes with each setting of the space)."""
+        self.choices = {key: sorted({getattr(c, key) for c in points}, key=str) for key in SETTINGS}
+        """Each setting of a step (mbtune.lattice.SETTINGS: activation_checkpointing,
+        reshard_after_forward, grad_sync) and the values the space gives it: one value, or
+        several, then a categorical parameter of its own, named as the setting (every
+        (B, n, m) of the lattice comes with each combination of the space)."""
         self.ns = sorted(self.by_n)
         self.log2_max = math.log2(max(max(ms) for ms in self.by_nb.values()))
 
@@ -89,9 +90,10 @@ class OptunaSpace:
         if self.log2_max > 0:
             params[self.M_PARAM] = math.log2(c.micro_batch_size)
             dists[self.M_PARAM] = optuna.distributions.FloatDistribution(0.0, self.log2_max)
-        if len(self.checkpointing) > 1:
-            params[self.AC_PARAM] = c.activation_checkpointing
-            dists[self.AC_PARAM] = optuna.distributions.CategoricalDistribution([False, True])
+        for key, values in self.choices.items():
+            if len(values) > 1:
+                params[key] = getattr(c, key)
+                dists[key] = optuna.distributions.CategoricalDistribution(values)
         return params, dists
 
     def decode(self, params: dict[str, Any]) -> BatchConfig:
@@ -104,11 +106,11 @@ class OptunaSpace:
         ms = self.by_nb[n, b]
         x = trial.suggest_float(self.M_PARAM, 0.0, self.log2_max) if self.log2_max > 0 else 0.0
         m = min(ms, key=lambda m: abs(math.log2(m) - x))
-        if len(self.checkpointing) > 1:
-            checkpointing = trial.suggest_categorical(self.AC_PARAM, [False, True])
-        else:
-            checkpointing = self.checkpointing[0]
-        return BatchConfig(b, n, m, checkpointing).sizes()
+        settings = [
+            trial.suggest_categorical(key, values) if len(values) > 1 else values[0]
+            for key, values in self.choices.items()
+        ]
+        return BatchConfig(b, n, m).with_settings(settings).sizes()
 
 
 def _pick(trial: Any, name: str, values: list[int]) -> int:
@@ -314,10 +316,10 @@ class _LadderSearcher(ListSearcher):
     """One ladder of micro-batch sizes per (devices, batch), climbed one rung at a time."""
 
     def ladders(self) -> list[list[BatchConfig]]:
-        """One per (devices, batch, activation checkpointing), in increasing m."""
-        by_nb: dict[tuple[int, int, bool], list[BatchConfig]] = defaultdict(list)
+        """One per (devices, batch, settings of a step), in increasing m."""
+        by_nb: dict[tuple[Any, ...], list[BatchConfig]] = defaultdict(list)
         for p in self.points:
-            by_nb[p.num_devices, p.batch_size, p.activation_checkpointing].append(p)
+            by_nb[(p.num_devices, p.batch_size, *p.settings)].append(p)
         return [sorted(by_nb[k]) for k in sorted(by_nb)]
 
     def next_point(self) -> BatchConfig | str | None:

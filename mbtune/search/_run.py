@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import ray
 from ray import tune
 from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
-from mbtune import progress
+from mbtune import metrics, progress
 from mbtune.cluster import cluster_size, init_ray, token_note, watch_head, watch_resources
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
@@ -37,18 +38,19 @@ from mbtune.search._ledger import (
     TrialProgress,
     head_lost,
     print_line,
-    settled_after,
     tell_node,
 )
-from mbtune.search._searcher import make_searcher, one_look_reason, pack_result
+from mbtune.search._searcher import make_searcher, one_look_reason, pack_result, settled
 from mbtune.search._signals import graceful_stop
 from mbtune.search._study import fail_interrupted, record_attrs
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
+from mbtune.trial.predict import Screening, screen
 from mbtune.trial.trial import TrialRequest
 
 __all__ = [
     "RAY_DIR",
     "SearchOutcome",
+    "predict_out_of_memory",
     "resume_search",
     "run_search",
     "search_points",
@@ -104,15 +106,19 @@ def run_search(
         # what Ray pickles names the directory whole: a resume may start anywhere
         kept = RunDir(run.path.absolute())
         searcher = _searcher_for(exp, model, kept, say)
+        predicted = predict_out_of_memory(exp, points, kept, say)
+        searcher.add_predicted(predicted)
         if earlier is not None:
             told = _warm_start(searcher, earlier, exp, points)
             say(f"mbtune: warm start from {earlier.path}: the sampler learnt {told} results")
+        skipped = f" ({len(predicted)} predicted out of memory)" if predicted else ""
         say(
-            f"mbtune: searching {len(points)} distinct configurations of '{exp.name}' with "
-            f"{s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
+            f"mbtune: searching {len(points)} distinct configurations{skipped} of '{exp.name}' "
+            f"with {s.sampler}, up to {s.num_samples} trials; run directory {run.path}"
         )
         reporter = _reporter_for(exp, model)
         log = TrialLog(kept, say, reporter, target=s.confidence_target, max_repeats=s.max_repeats)
+        log.rows.extend(predicted)  # the run's first rows: the reporter assesses them too
         tuner = tune.Tuner(
             _trainable_for(exp),
             tune_config=tune.TuneConfig(
@@ -194,19 +200,24 @@ def _fit(
         graceful_stop() as interrupted,
         watch_head(cluster, lost),
         watch_resources(cluster, trial_resources(exp), exp.ray.resource_wait_s, short),
-        progress.shown(finished=len(run.records())),
+        progress.shown(
+            finished=sum(not r.predicted for r in run.records()), metrics=_metrics_for(run, exp)
+        ),
     ):
         tuner.fit()
     fail_interrupted(run.optuna_url)  # one in flight when the search was stopped
     records, history = run.records(), run.recommendations()
     target = exp.search.confidence_target
-    last = history[-1] if history else None
-    confident = last is not None and settled_after(
-        reporter, records, last["confidence"], BatchConfig.from_mapping(last),
-        target=target, max_repeats=exp.search.max_repeats,
+    a = reporter.assess(records)
+    stop = bool(history) and settled(
+        a, target=target, max_repeats=exp.search.max_repeats, noise_floor=exp.noise_floor
+    )
+    status = (
+        "interrupted" if interrupted or gone
+        else ("tie" if a.tie else "confident") if stop else "finished"
     )  # fmt: skip
-    status = "interrupted" if interrupted or gone else "confident" if confident else "finished"
     summary = reporter.summary(records, status, history)
+    summary["predicted_oom"] = sum(r.predicted for r in records)
     if gone:
         summary["reason"] = f"the Ray cluster no longer had what one trial needs: {gone[0]}"
     if summary["recommended"] and summary["recommended"]["measurements"] == 1:
@@ -216,6 +227,8 @@ def _fit(
     run.write_json(SUMMARY_FILE, summary)
     if status == "confident":
         echo(f"mbtune: stopping: the confidence score reached its target {target}")
+    if status == "tie":
+        echo("mbtune: stopping on the tie: another look cannot tell them apart")
     if status == "interrupted":
         echo(f"mbtune: interrupted; every finished trial is in {run.trials_file}; continue "
              f"with: mbtune run --resume {run.path}")  # fmt: skip
@@ -225,11 +238,70 @@ def _fit(
     return outcome
 
 
+def predict_out_of_memory(
+    exp: Experiment, points: list[BatchConfig], run: RunDir, say: Any
+) -> list[TrialRecord]:
+    """Before the first trial: the configurations predicted not to fit the memory budget
+    (mbtune.trial.predict.screen, in a Ray task: this process never imports torch), each
+    recorded in trials.csv as an ``oom`` whose reason starts with ``predicted:``, without a
+    trial; their records. Nothing where ``search.predict_memory`` is false, for replayed
+    trials, and where no budget is known (a CPU without ``trial.device_memory``; a CUDA
+    card's memory is read in the task, on a GPU of the cluster). A model that cannot be
+    predicted is said in one line, and measured."""
+    tr = exp.trial
+    if not exp.search.predict_memory or tr.backend == "replay":
+        return []
+    gpus = 0
+    if tr.device_memory is None:
+        if tr.device == "cpu" or not exp.ray.gpus_per_trial:
+            return []  # no budget: a CPU trial has none, a CUDA card's is read on the card
+        if ray.cluster_resources().get("GPU", 0) < 1:
+            return []  # no card to read it from (nor to run a trial on)
+        gpus = 1
+    say(f"mbtune: predicting the memory of {len(points)} configurations (search.predict_memory)")
+    # a process of its own (max_calls): torch and what the model imported go with it
+    task = ray.remote(num_cpus=0, num_gpus=gpus, max_calls=1)(screen)
+    try:
+        found = ray.get(task.remote(exp, points))
+    except ray.exceptions.RayError as e:  # its process died (the machine's own memory)
+        found = Screening(None, failed=" ".join(str(e).split())[:300])
+    if found.failed:
+        say(f"mbtune: memory prediction failed, every configuration is measured: {found.failed}")
+        return []
+    records = [_predicted_record(exp, c, reason, i) for i, (c, reason) in enumerate(found.over, 1)]
+    for record in records:
+        run.append_trial(record)
+    if found.budget is not None:
+        usable = found.budget * (1 - tr.headroom(found.budget)) / 2**20
+        say(
+            f"mbtune: {len(records)} of {len(points)} configurations predicted over "
+            f"{usable:,.0f} MiB per device ({found.predictions} predicted in "
+            f"{found.seconds:.0f} s): recorded as oom without a trial"
+        )
+    return records
+
+
+def _predicted_record(exp: Experiment, config: BatchConfig, reason: str, trial: int) -> TrialRecord:
+    """The row of a configuration predicted out of memory: an ``oom`` with no trial."""
+    return TrialRecord.from_result({
+        **config.as_dict(), "micro_batches": config.micro_batch_sizes, "trial": trial,
+        "status": "oom", "reason": reason, "objective": 0.0,
+        "micro_batch_sizes_tried": [config.micro_batch_size],
+        "pipeline_stages": exp.train_input.pipeline_stages, "sharding": exp.trial.sharding,
+        "backend": exp.trial.backend, "parallel": exp.trial.parallel,
+        "note": "not measured: set search.predict_memory: false to measure it",
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })  # fmt: skip
+
+
 def _model_for(exp: Experiment, points: list[BatchConfig]) -> SearchModel:
     """The one search model of the run: the searcher proposes with it, the reporter
     scores with it."""
     s = exp.search
-    return SearchModel(tuple(points), exp.noise_floor, s.objective == "samples_per_s", s.seed)
+    return SearchModel(
+        tuple(points), exp.noise_floor, s.objective == "samples_per_s", s.seed,
+        s.confidence_target, s.max_repeats, exp.trial.sharding == "fsdp",
+    )  # fmt: skip
 
 
 def _searcher_for(exp: Experiment, model: SearchModel, run: RunDir, say: Any) -> Any:
@@ -265,14 +337,30 @@ def start_ray(
     cluster, url = started
     if cluster is not None:
         echo(f"mbtune: joined the Ray cluster at {cluster}: {cluster_size()}")
-        if dashboard and url:  # the cluster's own: where it listens is the cluster's say
+        if url:  # the cluster's own: where it listens is the cluster's say
             echo(f"mbtune dashboard (the cluster's): http://{url}")
         elif dashboard:
             echo("mbtune: the cluster runs no dashboard (ray start --head --include-dashboard)")
     elif dashboard:
         echo(f"mbtune dashboard: http://{url}{token_note()}" if url else
              "mbtune: Ray did not start its dashboard (see --verbose)")  # fmt: skip
+    # the run's Ray metrics (docs/monitoring.md); an embedded Ray's port is new each time
+    served = metrics.endpoint() if cluster is not None or dashboard else None
+    if served:
+        echo(f"mbtune metrics (Prometheus): {served}")
+    installed = metrics.install_dashboard()
+    if installed:
+        echo(f"mbtune: Grafana dashboard 'mbtune' installed in {installed.parent}")
     return cluster
+
+
+def _metrics_for(run: RunDir, exp: Experiment) -> metrics.RunState:
+    """The run as it stands (a resumed run's earlier trials too), for the board's metrics."""
+    s = exp.search
+    return metrics.RunState.start(
+        run.path.name, target=s.confidence_target, budget=s.num_samples,
+        records=run.records(), history=run.recommendations(),
+    )  # fmt: skip
 
 
 def _trainable_for(exp: Experiment) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pickle
 import statistics
 from collections import defaultdict
@@ -23,9 +24,15 @@ from typing import Any
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
+from mbtune.recommend.confidence import (
+    TIE_LOOKS,
+    Assessment,
+    Observation,
+    SearchModel,
+    observation,
+)
 from mbtune.report import another_look_line
-from mbtune.runs.record import TrialRecord
+from mbtune.runs.record import CONFIG_KEY, SIZES, TrialRecord
 from mbtune.search._proposers import (
     METRIC,
     DoublingSearcher,
@@ -75,8 +82,26 @@ MATERIAL = 0.01
 """A measured rival whose chance of beating the leader by more than the tolerance is
 below this is not worth another look."""
 
+RIVAL_MATERIAL = 0.02
+"""At the target, the strongest rival (the configuration likeliest to beat the leader by
+more than the tolerance) is measured again before the search stops if it was measured
+once (or measured, if never) and its chance is at least this (bench/close_calls.py:
+a true best measured once on a low draw keeps 3-8%; docs/confidence.md)."""
+
 MAX_CACHED_PROPOSALS = 200
 """Proposals in a row answered from the cache before the proposer counts as exhausted."""
+
+
+def nearest(points: Sequence[BatchConfig], to: BatchConfig) -> BatchConfig:
+    """The point of ``points`` nearest ``to``, in octaves of m, n and B and the other
+    dimensions (0 or 1 where they differ)."""
+
+    def distance(c: BatchConfig) -> tuple[float, BatchConfig]:
+        octaves = sum(abs(math.log2(getattr(c, d)) - math.log2(getattr(to, d))) for d in SIZES)
+        return octaves + sum(getattr(c, d) != getattr(to, d) for d in CONFIG_KEY
+                             if d not in SIZES), c  # fmt: skip
+
+    return min(points, key=distance)
 
 
 def one_look_reason(*, max_repeats: int, noise_floor: float) -> str | None:
@@ -90,16 +115,33 @@ def one_look_reason(*, max_repeats: int, noise_floor: float) -> str | None:
     return None
 
 
-def settled(
-    confidence: int, looks: int, *, target: int, max_repeats: int, noise_floor: float
-) -> bool:
-    """Whether a search may stop on its target: the score reached it and the leader was
-    measured twice, or once where :func:`one_look_reason` says why that is enough."""
-    if confidence < target:
+def settled(a: Assessment, *, target: int, max_repeats: int, noise_floor: float) -> bool:
+    """Whether a search may stop: on a tie (the search model names one), or on its
+    target: the score reached it, the leader was measured twice (or once where
+    :func:`one_look_reason` says why that is enough), and the strongest rival was
+    measured twice or holds no material chance (:func:`strongest_rival`)."""
+    if a.tie is not None:
+        return True
+    if a.recommended is None or a.confidence < target:
         return False
-    return (
-        looks >= 2 or one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
-    )
+    once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
+    return (a.looks.get(a.recommended, 0) >= 2 or once) and strongest_rival(
+        a, max_repeats=max_repeats
+    ) is None
+
+
+def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
+    """The configuration likeliest to beat the leader by more than the tolerance, where
+    the search should look at it before stopping: its chance is at least
+    ``RIVAL_MATERIAL`` and it was measured less than twice (and may be measured again)."""
+    rivals = {c: t for c, t in a.threat.items() if c != a.recommended}
+    if not rivals:
+        return None
+    rival = max(rivals, key=rivals.__getitem__)
+    looks = a.looks.get(rival, 0)
+    if rivals[rival] < RIVAL_MATERIAL or looks >= min(2, max_repeats):
+        return None
+    return rival
 
 
 def another_look(
@@ -114,7 +156,8 @@ def another_look(
     """The measured configuration worth measuring again, and why; None if none is.
 
     At the target: the leader, if it was measured once and :func:`settled` wants it
-    measured twice. Below it: the leader or the rival
+    measured twice; then the strongest rival, where :func:`strongest_rival` names one
+    (new configurations included: one never measured is measured). Below it: the leader or the rival
     that most threatens it (the one of the two measured fewer times; the leader on a
     tie), where that rival's threat is material and larger than ``new_threat``, what a
     new measurement could settle: the unmeasured configurations' threat taken together
@@ -128,25 +171,28 @@ def another_look(
         return a.looks.get(c, 0) < max_repeats and c not in busy
 
     if a.confidence >= target:
-        if can(leader) and not settled(
-            a.confidence,
-            a.looks.get(leader, 0),
-            target=target,
-            max_repeats=max_repeats,
-            noise_floor=noise_floor,
-        ):
+        once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
+        if can(leader) and a.looks.get(leader, 0) < 2 and not once:
             return leader, "re-measuring the leader before stopping"
+        rival = strongest_rival(a, max_repeats=max_repeats)
+        if rival is not None and rival not in busy:
+            again = "re-measuring" if a.looks.get(rival, 0) else "measuring"
+            return rival, f"{again} the strongest rival before stopping"
         return None
     floor = max(MATERIAL, new_threat or 0.0)
     rivals = [c for c in a.threat if c != leader and a.looks.get(c, 0) and a.threat[c] >= floor]
-    for rival in sorted(rivals, key=a.threat.__getitem__, reverse=True):
-        pair = [c for c in (leader, rival) if can(c)]
-        if pair:  # the one of the two measured fewer times; the leader on a tie
-            pick = min(pair, key=lambda c: a.looks.get(c, 0))
-            return (
-                pick,
-                "re-measuring the leader" if pick == leader else "re-measuring a close rival",
-            )
+    rivals.sort(key=a.threat.__getitem__, reverse=True)
+    # every material rival (and the leader) measured twice before any is measured a third
+    # time: where they cannot be told apart, that is what calls the tie soonest
+    for limit in (TIE_LOOKS, max_repeats):
+        for rival in rivals:
+            pair = [c for c in (leader, rival) if can(c) and a.looks.get(c, 0) < limit]
+            if pair:  # the one of the two measured fewer times; the leader on a tie
+                pick = min(pair, key=lambda c: a.looks.get(c, 0))
+                return (
+                    pick,
+                    "re-measuring the leader" if pick == leader else "re-measuring a close rival",
+                )
     return None
 
 
@@ -275,6 +321,10 @@ class MbtuneSearcher(Searcher):
         if open_points:
             if view is None:
                 new = first_guess(open_points, self.model.global_objective)
+            elif unmeasured := [p for p in open_points if p in view.open_points]:
+                # a value never measured first (nothing else settles its chance): beside
+                # the leader, so that the two differ in that value alone
+                new = nearest(unmeasured, view.recommended or unmeasured[0])
             else:
                 likely = {p: view.p_best.get(p, 0.0) for p in open_points}
                 new = max(likely, key=likely.__getitem__)
@@ -354,6 +404,19 @@ class MbtuneSearcher(Searcher):
         self.measured[self.key(config)] = value
         self.tell(config, value, measured=True)
 
+    def add_predicted(self, records: Sequence[TrialRecord]) -> None:
+        """Configurations predicted out of memory before the first trial (their records,
+        :attr:`TrialRecord.predicted`): never measured, an ``oom`` to the search model (a
+        larger micro-batch cannot run either) and to the proposer, and no trial of
+        ``budget``. Once each: a record learnt already is skipped."""
+        for record in records:
+            config = self.key(record.config)
+            if config in self.measured:
+                continue
+            self.observations.append(observation(record))
+            self.measured[config] = 0.0
+            self.tell(config, 0.0, measured=True, attrs=record_attrs(record))
+
     # -- resume ------------------------------------------------------------------
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec):
@@ -392,6 +455,9 @@ class MbtuneSearcher(Searcher):
 
         for record in RunDir(Path(self.ledger).parent).records():
             if record.trial_id and record.trial_id in self.finished_ids:
+                continue
+            if record.predicted:  # no trial: learnt before the first (or now, once)
+                self.add_predicted([record])
                 continue
             config = self.key(record.config)
             value = float(record.objective or 0.0)
@@ -434,7 +500,9 @@ def make_searcher(
     model, else one of ``noise_floor``, ``global_objective`` and ``seed``."""
     baselines = {"grid": GridSearcher, "halving": HalvingSearcher, "doubling": DoublingSearcher}
     canonical = sorted({p.canonical() for p in points})
-    model = model or SearchModel(tuple(canonical), noise_floor, global_objective, seed)
+    model = model or SearchModel(
+        tuple(canonical), noise_floor, global_objective, seed, target, max_repeats
+    )
     inner: Searcher | None = None
     if sampler in baselines:
         inner = baselines[sampler](canonical)

@@ -6,7 +6,9 @@ collectives object (mbtune.trial.collectives): with ``OneProcess`` (``trial.para
 simulate``) every collective does nothing, and the one process stands for the busiest
 device; with ``ProcessGroup`` (``ddp``, in each Ray Train worker) the model runs under
 ``DistributedDataParallel`` (or, with ``trial.sharding: fsdp``, sharded by FSDP2:
-mbtune.trial.sharding) and the ranks agree. Either way the loop gives a
+mbtune.trial.sharding) and the ranks agree; with ``simulate`` and ``fsdp`` the one process
+is rank 0 of N on a fake process group (``SimulatedShards``): its shard is real, its
+collectives are modelled. Either way the loop gives a
 :class:`Measurement`, which mbtune.trial.trial turns into a TrialResult.
 
 Where ranks agree (ddp; on one process the same calls only classify a failure). After
@@ -94,6 +96,10 @@ class Measurement:
     every device, so the all-reduce and any pipeline bubble are to be modelled."""
     grad_bytes: int = 0
     """The bytes one all-reduce of the gradients moves (trainable parameters)."""
+    fsdp_units: tuple[tuple[int, int], ...] = ()
+    """A simulated sharded trial's FSDP units, the root last: each one's (all-gather,
+    reduce-scatter) bytes, from which its collectives are modelled
+    (mbtune.trial.trial.fsdp_sync_s); empty otherwise."""
     eval_s: float | None = None
     """A forward-only pass over the same micro-batches (``trial.eval``)."""
     peak_memory_bytes: int | None = None
@@ -191,7 +197,8 @@ def _timed_steps(
     model = _compile(wrapped, tr) if tr.compile and not group.sharded else wrapped
     # each micro-batch's mean loss is weighted by its share of the process's samples; DDP
     # averages over the ranks, so there a share is of B / n (uneven ranks included)
-    total = sum(sizes) if group.world_size == 1 else config.batch_size / group.world_size
+    alone = group.world_size == 1 or group.simulated  # rank 0 of N alone: its own samples
+    total = sum(sizes) if alone else config.batch_size / group.world_size
     step_loss = StepLoss(spec.loss_fn, total=total)  # unscaled: inside fp16's scaler
     loss_fn = precision.loss(step_loss)
 
@@ -223,7 +230,7 @@ def _timed_steps(
         try:
             first = timed(lambda: local_step(zero_grads=True))
         except Exception as e:
-            if group.sharded:
+            if group.sharded and not group.simulated:
                 raise  # the other ranks wait in FSDP's collectives: no agreeing here
             failure = e
         verdict = group.agree(failure)
@@ -302,6 +309,7 @@ def _timed_steps(
         compute_s=tuple(slowest[1 + n : 1 + n + m]),
         comm_s=None if group.simulated else tuple(slowest[1 + n + m : 1 + n + m + c]),
         grad_bytes=grad_bytes,
+        fsdp_units=getattr(group, "unit_bytes", ()) if group.simulated else (),
         eval_s=slowest[-4] or None,
         peak_memory_bytes=None if peak is None else int(slowest[-3]),
         peak_reserved_bytes=None if reserved is None else int(slowest[-2]),
@@ -413,7 +421,7 @@ def mean_loss(step_loss: Any, group: Collectives) -> float | None:
         return None
     value = step_loss.detach().to(torch.float64).reshape(1)
     group.all_reduce(value)
-    return value.item() / group.world_size
+    return value.item() / (1 if group.simulated else group.world_size)
 
 
 def accumulate_gradients(

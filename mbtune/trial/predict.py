@@ -1,14 +1,20 @@
 """Memory before measuring: one device's peak for a configuration, predicted without
-allocating the model and without the device (``mbtune memory``).
+allocating the model and without the device (``mbtune memory``); the configurations of a
+search predicted over its budget (:func:`screen`, run in a Ray task before the first
+trial, mbtune.search); and how ``mbtune init`` holds a starter's model (:func:`size_starter`).
 
 How. The model is built on torch's meta device (no memory, as a sharded trial builds it),
 and rank 0 of the configuration's N devices takes two steps of the trial protocol
 (mbtune.trial.measure: the same micro-batches, the same loss weighting, AdamW, the
 precision's autocast, activation checkpointing where the configuration has it) on *fake*
 tensors: ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) gives every tensor its
-shape, dtype and size and no storage. With ``trial.sharding: fsdp`` the model is cut with
-the trial's own units and FSDP2 ``fully_shard`` over a process group of N ranks made with
-torch's ``fake`` backend, which does no communication: it is public in torch 2.13
+shape, dtype and size and no storage. Of a step's g micro-batches only the first (the
+largest) and the last (the synced one) are run: those between repeat the first's sizes on
+gradients already there, and the peak is the same, at a cost that no longer grows with g.
+With ``trial.sharding: fsdp`` the model is cut with the trial's own units and FSDP2
+``fully_shard`` (with the configuration's ``reshard_after_forward``, and its ``grad_sync``
+in the steps) over a process group of N ranks made with torch's ``fake`` backend, which
+does no communication: it is public in torch 2.13
 (``torch.distributed.Backend.FAKE``, registered once ``torch.distributed.fsdp`` is
 imported, which this module does first; older versions registered it only from
 ``torch.testing._internal``). The bytes are counted by
@@ -54,6 +60,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbtune.config.experiment import Experiment
+from mbtune.config.model_options import one_line
+from mbtune.config.starter import Sizing
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
@@ -64,17 +72,26 @@ from mbtune.trial.measure import (
     rank_micro_batches,
     synced_step,
 )
-from mbtune.trial.memory import Verdict, over_budget
+from mbtune.trial.memory import Verdict, memory_budget, over_budget, short_reason
 from mbtune.trial.precision import Precision
-from mbtune.trial.sharding import mixed_precision, shard_units
+from mbtune.trial.sharding import (
+    fake_process_group,
+    gradient_sync_skipped,
+    mixed_precision,
+    shard,
+    shard_units,
+)
 
 __all__ = [
     "CPU_COMPILE_BYTES",
     "CPU_PROCESS_BASELINE_BYTES",
     "MemoryPrediction",
+    "Screening",
     "predict_memory",
     "predicted_oom",
     "prediction_lines",
+    "screen",
+    "size_starter",
 ]
 
 CPU_PROCESS_BASELINE_BYTES = {"simulate": 314 * 2**20, "ddp": 475 * 2**20}
@@ -153,9 +170,12 @@ def predict_memory(exp: Experiment, config: BatchConfig) -> MemoryPrediction:
     module = spec.module
     num_parameters = sum(p.numel() for p in module.parameters())
     sharded = tr.sharding == "fsdp"
-    with _fake_group(config.num_devices) if sharded else contextlib.nullcontext() as mesh:
+    group = fake_process_group(config.num_devices, who="mbtune memory") if sharded else None
+    with group or contextlib.nullcontext() as mesh:
         if sharded:
-            _shard(module, mesh, precision)
+            policy = mixed_precision(precision) or _plain_policy()
+            shard(module, shard_units(module), mesh, policy,
+                  reshard_after_forward=config.reshard_after_forward)  # fmt: skip
         parts = _parts(_steps_at_peak(spec, config, precision, sharded=sharded))
     if not sharded and tr.parallel == "ddp" and config.num_devices > 1:
         # DDP's buckets: a second copy of the gradients, held from its construction on
@@ -191,6 +211,229 @@ def predicted_oom(exp: Experiment, config: BatchConfig) -> Verdict | None:
     return None if over is None else ("oom", f"predicted: {over}")
 
 
+@dataclass(frozen=True)
+class Screening:
+    """What predicting a search's configurations found, before its first trial
+    (:func:`screen`): the configurations predicted over the budget, each with its reason."""
+
+    budget: int | None
+    """The memory budget of one device, in bytes (``trial.device_memory``, else a CUDA
+    card's); None: none is known, and nothing was predicted."""
+    over: tuple[tuple[BatchConfig, str], ...] = ()
+    """(configuration, reason) of each one predicted over the budget, less the headroom;
+    the reason starts with ``predicted:`` (mbtune.runs.record.PREDICTED)."""
+    predictions: int = 0
+    """Configurations whose memory was predicted (the others followed from them)."""
+    seconds: float = 0.0
+    failed: str | None = None
+    """Why nothing could be predicted (one line), where the prediction failed."""
+
+
+def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
+    """Predict which of ``configs`` (a search's points) cannot fit the memory budget, as a
+    trial would judge its measured peak (mbtune.trial.memory.over_budget), without
+    predicting each: memory grows with the micro-batch a device runs, and with the batch
+    at the same micro-batch, so for each (n, settings of a step), from the smallest batch
+    up, a search over m from the largest down finds the smallest m predicted over the
+    budget: it and every larger m are over, as is every m at least as large at a larger
+    batch. Runs
+    where torch may be imported (a search's Ray task); never raises for a model that
+    cannot be predicted: ``failed`` says why."""
+    import time
+
+    import torch
+
+    started = time.perf_counter()
+    torch.set_num_threads(exp.cpu_threads)
+    budget = _known_budget(exp)
+    if budget is None:
+        return Screening(None)
+    usable = budget * (1 - exp.trial.headroom(budget))
+    peaks: dict[BatchConfig, int] = {}
+
+    def over(c: BatchConfig) -> bool:
+        if c not in peaks:
+            peaks[c] = predict_memory(exp, c).peak_memory_bytes
+        return peaks[c] > usable
+
+    groups: dict[tuple[Any, ...], dict[int, list[BatchConfig]]] = {}
+    for c in sorted({c.canonical() for c in configs}):
+        groups.setdefault((c.num_devices, *c.settings), {}).setdefault(c.batch_size, []).append(c)
+    found: list[tuple[BatchConfig, str]] = []
+    try:
+        for by_batch in groups.values():
+            bound: BatchConfig | None = None  # the smallest m over, at a smaller batch
+            for batch in sorted(by_batch):
+                ms = sorted(by_batch[batch], key=lambda c: c.micro_batch_size)
+                top = len(ms)
+                if bound is not None:  # at least as large an m as one over: over too
+                    top = next((i for i, c in enumerate(ms)
+                                if c.micro_batch_size >= bound.micro_batch_size), top)  # fmt: skip
+                # from the largest m down, in growing steps (a large m has few micro-batches
+                # to simulate), to one that fits; then halving: ms[:lo] fit, ms[hi:top] over
+                lo, hi, step = 0, top, 1
+                while lo < hi:
+                    i = max(lo, hi - step)
+                    if not over(ms[i]):
+                        lo = i + 1
+                        break
+                    hi, step = i, step * 2
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if over(ms[mid]):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                for first, over_ms in ((ms[lo] if lo < top else None, ms[lo:top]),
+                                       (bound, ms[top:])):  # fmt: skip
+                    found += [(c, _reason(exp.trial, budget, first, peaks.get(first), c))
+                              for c in over_ms if first is not None]  # fmt: skip
+                bound = ms[lo] if lo < top else bound
+    except Exception as e:  # noqa: BLE001 - a model mbtune cannot predict is measured instead
+        return Screening(budget, failed=short_reason(one_line(e)), predictions=len(peaks),
+                         seconds=time.perf_counter() - started)  # fmt: skip
+    return Screening(budget, tuple(found), len(peaks), time.perf_counter() - started)
+
+
+def _reason(tr: Any, budget: int, first: BatchConfig, peak: int | None, config: BatchConfig) -> str:
+    """``predicted: ...``: the rule a measured peak would break (over_budget's words), for
+    the configuration predicted, or for a larger one, named by the one it follows from."""
+    if config == first and peak is not None:
+        return f"predicted: {over_budget(tr, budget, peak)}"
+    shown = f" ({peak / 2**20:.0f} MiB)" if peak is not None else ""
+    return (
+        f"predicted: more memory than micro_batch_size {first.micro_batch_size} at "
+        f"batch_size {first.batch_size}{shown}, which leaves less than "
+        f"trial.memory_headroom {tr.headroom(budget):g} of the budget "
+        f"{budget / 2**20:.0f} MiB free"
+    )
+
+
+def _known_budget(exp: Experiment) -> int | None:
+    """The budget a trial of ``exp`` must fit in, where it is known here: trial.device_memory,
+    else the memory of the CUDA card this process sees (a CUDA trial's own budget); None
+    on a CPU without trial.device_memory (nothing there says oom but the kernel)."""
+    tr = exp.trial
+    if tr.device_memory is not None:
+        return tr.device_memory
+    if tr.device in ("cuda", "auto") and _has_cuda():
+        import torch
+
+        return memory_budget(torch, torch.device("cuda"), None)
+    return None
+
+
+ASSUMED_CARD_BYTES = 80 * 2**30
+"""The memory a CUDA starter is sized for where no card is at hand (``mbtune init`` on a
+laptop): an 80 GB card (H100, A100 80GB); the starter declares it as trial.device_memory."""
+
+STATE_BYTES_PER_PARAMETER = 16
+"""What a parameter holds in a trial at the least: its fp32 weight (the master copy under
+autocast), its fp32 gradient and AdamW's two fp32 moments. Only to choose the first device
+count to predict: the prediction decides."""
+
+MAX_STARTER_DEVICES = 32
+"""The most devices a starter shards over: its batch_size (32), one sample each."""
+
+
+def size_starter(exp: Experiment) -> Sizing:
+    """How ``mbtune init``'s starter ``exp`` (one device, unsharded) must hold its model:
+    as it is where its smallest configuration (micro_batch_size 1) is predicted to fit
+    one device's memory (trial.device_memory; on CUDA without it, the card here, else
+    :data:`ASSUMED_CARD_BYTES`), else sharded (``fsdp`` over ``parallel: ddp``) over the
+    fewest devices, a power of two, at which it is predicted to fit; what was found, in
+    lines for a person. An error where even :data:`MAX_STARTER_DEVICES` do not suffice."""
+    import dataclasses
+
+    tr, t = exp.trial, exp.train_input
+    cuda = tr.device == "cuda"
+    budget = tr.device_memory or (_card_bytes() if cuda else None) or ASSUMED_CARD_BYTES
+    usable = budget * (1 - tr.headroom(budget))
+    spec = build_spec(exp, BatchConfig(t.batch_size, 1, 1), meta=True)
+    params = sum(p.numel() for p in spec.module.parameters())
+    states = params * STATE_BYTES_PER_PARAMETER
+    n = 1
+    while states / n > usable and n < MAX_STARTER_DEVICES:
+        n *= 2
+    while True:
+        sharded = n > 1
+        trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if sharded else tr
+        inputs = dataclasses.replace(t, num_devices=n)
+        at = dataclasses.replace(exp, trial=trial, train_input=inputs)
+        with _quiet_transformers():
+            p = predict_memory(at, BatchConfig(t.batch_size, n, 1))
+        if p.peak_memory_bytes <= usable:
+            break
+        if n >= MAX_STARTER_DEVICES:
+            raise MbtuneError(
+                f"init: {exp.model.name} ({params:,} parameters) is predicted at "
+                f"{_gib(p.peak_memory_bytes)} per device even sharded over {n} devices at "
+                f"micro_batch_size 1, more than {_gib(usable)} of {_gib(budget)}; make it "
+                "smaller (its config's keys under model:) and write the starter by hand"
+            )
+        n *= 2
+    device = "cuda" if cuda else "cpu"
+    held = (
+        f"more than one {device} device's {_gib(usable)} usable: sharded (sharding: fsdp) over "
+        f"{n} devices"
+        if sharded
+        else f"within one {device} device's {_gib(usable)} usable"
+    )
+    lines = (
+        f"mbtune: {exp.model.name}: {params:,} parameters; weights, gradients and AdamW's "
+        f"states hold at least {_gib(states)}, {held}",
+        f"mbtune: predicted peak memory of one {device} device at micro_batch_size 1 on "
+        f"{_plural(n)}: {_gib(p.peak_memory_bytes)} (of trial.device_memory {_gib(budget)}"
+        f"{'' if tr.device_memory else ', assumed: ' + _budget_source()}); "
+        "`mbtune memory` names its parts",
+    )
+    declared = budget if tr.device_memory is None else None
+    return Sizing(
+        num_devices=n,
+        sharded=sharded,
+        device_memory=declared,
+        peak_memory_bytes=p.peak_memory_bytes,
+        lines=lines,
+    )
+
+
+def _gib(nbytes: float) -> str:
+    """GiB to a tenth, or MiB below one GiB."""
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Without transformers' warnings (its loss's note on every model built from a config):
+    ``mbtune init`` says what it found in its own lines."""
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _plural(n: int) -> str:
+    return f"{n} device{'s' if n != 1 else ''}"
+
+
+def _card_bytes() -> int | None:
+    """The memory of the CUDA card this process sees, to the GiB below; None: none."""
+    if not _has_cuda():
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info(0)[1]) // 2**30 * 2**30
+
+
+def _budget_source() -> str:
+    return "the card here" if _has_cuda() else "an 80 GB card (H100)"
+
+
 def prediction_lines(p: MemoryPrediction) -> list[str]:
     """The prediction in a few lines, for ``mbtune memory``."""
     c = p.config
@@ -221,15 +464,10 @@ def prediction_lines(p: MemoryPrediction) -> list[str]:
 # rank 0's steps on fake tensors
 
 
-def _shard(module: Any, mesh: Any, precision: str) -> None:
-    """FSDP2 over ``mesh`` as a sharded trial cuts the model (mbtune.trial.sharding): one
-    unit per block and the root, ``trial.precision`` as the mixed-precision policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _plain_policy() -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = mixed_precision(precision) or MixedPrecisionPolicy()
-    for unit in shard_units(module):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+    return MixedPrecisionPolicy()
 
 
 def _steps_at_peak(
@@ -264,13 +502,20 @@ def _steps_at_peak(
             tracker.reset_mod_stats()
             return loss_fn(model, batch)
 
+        skip = config.grad_sync == "last"
+
+        def no_sync() -> Any:
+            return gradient_sync_skipped(module, skip=skip)
+
+        # a step's peak is reached in its first micro-batch (the largest) or its last (the
+        # synced one): those between repeat the first's sizes on gradients already there
+        run = batches if len(batches) <= 2 else [batches[0], batches[-1]]
         with tracker:
             for _ in range(_STEPS):
-                if sharded:
-                    no_sync = _no_gradient_sync(module)
-                    synced_step(tracked_loss, module, batches, total=total, no_sync=no_sync)
+                if sharded:  # as the trial: no reduce-scatter but the last (grad_sync last)
+                    synced_step(tracked_loss, module, run, total=total, no_sync=no_sync)
                 else:
-                    accumulate_gradients(tracked_loss, module, batches, total=total)
+                    accumulate_gradients(tracked_loss, module, run, total=total)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         return tracker.get_tracker_snapshot("peak")
@@ -397,41 +642,6 @@ def _trackers() -> _Trackers:
             f"{torch.__version__} does not have where mbtune looks ({e}); use torch 2.13"
         ) from None
     return _Trackers(FakeTensorMode, FSDPMemTracker, MemTracker)
-
-
-@contextlib.contextmanager
-def _fake_group(world_size: int) -> Iterator[Any]:
-    """A process group of ``world_size`` ranks, this process rank 0, with torch's ``fake``
-    backend (no communication), and a CPU device mesh over it; torn down after."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        raise MbtuneError(
-            "mbtune memory runs rank 0 of N on a fake process group of its own, and this "
-            "process already has a process group; predict from a process without one"
-        )
-    import torch.distributed.fsdp  # noqa: F401  (registers torch 2.13's fake backend)
-
-    if not hasattr(dist.Backend, "FAKE"):
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (torch < 2.10)
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (world_size,))
-    finally:
-        dist.destroy_process_group()
-
-
-def _no_gradient_sync(module: Any) -> Any:
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)
-
-    return no_sync
 
 
 def _has_cuda() -> bool:

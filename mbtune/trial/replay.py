@@ -19,7 +19,7 @@ from typing import Any
 from mbtune.config.experiment import Experiment
 from mbtune.config.schema import STATUSES
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import SETTINGS, BatchConfig
 from mbtune.progress import PhaseHook
 from mbtune.trial.measure import Measurement, no_phase
 from mbtune.trial.memory import over_budget, reason_line
@@ -29,11 +29,13 @@ __all__ = ["ReplayTable", "replay"]
 
 class ReplayTable:
     """Measured throughputs read from a CSV: batch_size, num_devices, micro_batch_size,
-    samples_per_s, and optionally peak_memory_bytes, status, activation_checkpointing
-    (true/false: a configuration of its own) and precision (what was measured)."""
+    samples_per_s, and optionally peak_memory_bytes, status, the settings of a step
+    (activation_checkpointing and reshard_after_forward: true/false; grad_sync: last or
+    every; each value a configuration of its own, an empty cell the default) and precision
+    (what was measured). A trials.csv is such a table."""
 
     REQUIRED = ("batch_size", "num_devices", "micro_batch_size", "samples_per_s")
-    OPTIONAL = ("peak_memory_bytes", "status", "activation_checkpointing", "precision")
+    OPTIONAL = ("peak_memory_bytes", "status", *SETTINGS, "precision")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -82,8 +84,10 @@ class ReplayTable:
             raise MbtuneError(
                 f"trial.table: {self.path} has no row for batch_size {config.batch_size}, "
                 f"num_devices {config.num_devices}, micro_batch_size {config.micro_batch_size}"
-                f"{', activation_checkpointing true' if config.activation_checkpointing else ''}; "
-                f"it holds {len(self.rows)} configurations"
+                + "".join(
+                    f", {k} {str(v).lower()}" for k, v in config.sizes().items() if k in SETTINGS
+                )
+                + f"; it holds {len(self.rows)} configurations"
             )
         return row
 
@@ -139,5 +143,7 @@ def _drift(exp: Experiment, config: BatchConfig, repeat: int) -> float:
     rng = random.Random(
         f"drift/{exp.search.seed}/{config.batch_size}/{config.num_devices}/"
         f"{config.micro_batch_size}/{config.activation_checkpointing}/{repeat}"
+        # sharded settings only where not the default: other tables keep their draws
+        + "".join(f"/{k}={v}" for k, v in config.sizes().items() if k in SETTINGS[1:])
     )
     return max(0.05, 1 + exp.trial.drift * rng.gauss(0, 1))

@@ -16,11 +16,18 @@ seed (for the built-in gpt exactly; tests/test_sharding.py checks it).
 
 :class:`FullyShardedGroup` is mbtune.trial.collectives' ``ProcessGroup`` for such a rank:
 it places the model (shards and materializes it), runs no DDP all-reduce on top of FSDP
-(FSDP reduce-scatters the gradients itself, in the backward pass of a step's last
-micro-batch; the others run under ``set_requires_gradient_sync(False)``), and times one
-step's bytes as FSDP moves them (an all-gather and a reduce-scatter). ``trial.precision``
+(FSDP reduce-scatters the gradients itself: with ``grad_sync: last``, the default, in the
+backward pass of a step's last micro-batch, the others running under
+``set_requires_gradient_sync(False)``; with ``every``, in each micro-batch's), and times one
+step's bytes as FSDP moves them (an all-gather and a reduce-scatter). Each unit is sharded
+with the configuration's ``reshard_after_forward`` (true: its parameters are freed after
+its forward pass and gathered again for the backward; false: kept until then). ``trial.precision``
 becomes FSDP2's ``MixedPrecisionPolicy`` (parameters in the compute dtype, gradients
 reduced in fp32); with compile on, each block is compiled on its own.
+
+With ``trial.parallel: simulate`` (:class:`SimulatedShards`) the trial's own process is rank
+0 of N on torch's fake process group (:func:`fake_process_group`, which ``mbtune memory``
+uses too), sharded the same way; its collectives take no time and are modelled instead.
 """
 
 from __future__ import annotations
@@ -32,10 +39,21 @@ from typing import Any
 
 from mbtune.config.schema import TrialConfig
 from mbtune.errors import MbtuneError
+from mbtune.lattice import GradSync
 from mbtune.trial.collectives import ProcessGroup
+from mbtune.trial.memory import Verdict, verdict
 from mbtune.trial.precision import resolve
 
-__all__ = ["SHARD_BLOCKS_ATTR", "FullyShardedGroup", "materialize", "shard_units"]
+__all__ = [
+    "SHARD_BLOCKS_ATTR",
+    "FullyShardedGroup",
+    "SimulatedShards",
+    "fake_process_group",
+    "gradient_sync_skipped",
+    "materialize",
+    "shard",
+    "shard_units",
+]
 
 SHARD_BLOCKS_ATTR = "shard_blocks"
 """The attribute a model sets to the class name(s) of its blocks, one FSDP unit each (the
@@ -54,11 +72,23 @@ class FullyShardedGroup(ProcessGroup):
 
     sharded = True
 
-    def __init__(self, device: Any, trial: TrialConfig, *, seed: int) -> None:
+    def __init__(
+        self,
+        device: Any,
+        trial: TrialConfig,
+        *,
+        seed: int,
+        reshard_after_forward: bool = True,
+        grad_sync: GradSync = "last",
+    ) -> None:
+        """``reshard_after_forward`` and ``grad_sync``: the configuration's (mbtune.lattice.
+        BatchConfig): FSDP2's ``reshard_after_forward`` of every unit, and whether a step's
+        micro-batches but the last skip the gradients' reduce-scatter (``last``) or not."""
         from torch.distributed.device_mesh import init_device_mesh
 
         super().__init__(device)
         self.trial, self.seed = trial, seed
+        self.reshard_after_forward, self.grad_sync = reshard_after_forward, grad_sync
         # explicit, on the CPU too: FSDP2 without a mesh assumes CUDA (pytorch issue 132471);
         # made here, where every rank arrives, not where a failing build may leave one out
         self.mesh = init_device_mesh(device.type, (self.world_size,))
@@ -66,7 +96,7 @@ class FullyShardedGroup(ProcessGroup):
     def place(self, module: Any, device: Any) -> Any:
         """Shard ``module`` (built on the meta device), then materialize and initialise this
         rank's shard on ``device``. No collective: a failure here can be agreed on."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         tr = self.trial
         policy = mixed_precision(resolve(tr.precision, device))
@@ -76,24 +106,30 @@ class FullyShardedGroup(ProcessGroup):
         sizes = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
         total = sum(p.numel() for p in module.parameters() if p.requires_grad)
         self.unit_numels = [n for n in (*sizes, total - sum(sizes)) if n > 0]
+        # the bytes each unit's collectives move: parameters gathered in the compute dtype,
+        # gradients reduced in the reduce dtype (without a policy: the parameters' own)
+        own = next((p.dtype for p in module.parameters() if p.requires_grad), None)
+        gather = getattr(policy, "param_dtype", None) or own
+        reduce = getattr(policy, "reduce_dtype", None) or own
+        self.unit_bytes = tuple(
+            (n * _itemsize(gather), n * _itemsize(reduce)) for n in self.unit_numels
+        )
         for unit in units:
             if tr.compile:  # per block, as torchtitan: FSDP's hooks stay outside the graphs
                 unit.compile(mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
-            fully_shard(unit, mesh=self.mesh, mp_policy=policy or MixedPrecisionPolicy())
-        fully_shard(module, mesh=self.mesh, mp_policy=policy or MixedPrecisionPolicy())
+        shard(module, units, self.mesh, policy or MixedPrecisionPolicy(),
+              reshard_after_forward=self.reshard_after_forward)  # fmt: skip
         materialize(module, device, seed=self.seed)
         return module
 
     def data_parallel(self, module: Any) -> Any:
         return module  # sharded already: FSDP's hooks all-gather and reduce-scatter
 
-    @contextlib.contextmanager
-    def no_sync(self, model: Any) -> Iterator[None]:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
+    def no_sync(self, model: Any) -> contextlib.AbstractContextManager[Any]:
+        """The context of a step's micro-batches but the last: no reduce-scatter with
+        ``grad_sync: last`` (each rank accumulates its unsharded gradients), one per
+        micro-batch with ``every``."""
+        return gradient_sync_skipped(model, skip=self.grad_sync == "last")
 
     def timing_buffer(self, dtype: Any, device: Any) -> Any:
         """A buffer for :meth:`sync_gradients`: the largest unit's elements, padded to a
@@ -116,6 +152,87 @@ class FullyShardedGroup(ProcessGroup):
             shard = whole.new_empty(whole.numel() // n)
             dist.reduce_scatter_tensor(shard, whole)
             dist.all_gather_into_tensor(whole, shard)
+
+
+class SimulatedShards(FullyShardedGroup):
+    """Rank 0 of N alone (``trial.parallel: simulate`` with ``sharding: fsdp``), on torch's
+    fake process group (:func:`fake_process_group`): its shard, memory and compute are
+    real (the fake backend's all-gather fills every rank's part with this rank's shard, its
+    reduce-scatter keeps this rank's part: the values stay finite), no collective takes any
+    time, and FSDP's all-gathers and reduce-scatters are modelled from :attr:`unit_bytes`
+    (mbtune.trial.trial.fsdp_sync_s), as one process models DDP's all-reduce. There is no
+    one to agree with: a failure is the trial's result, as with ``OneProcess``."""
+
+    simulated = True
+
+    def agree(self, failure: BaseException | None, over: str | None = None) -> Verdict | None:
+        return verdict(failure, over)
+
+    def slowest(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def all_reduce(self, tensor: Any) -> None:
+        pass  # one process: its own figures
+
+    def sync_gradients(self, tensor: Any) -> None:
+        pass  # modelled
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, *, who: str) -> Iterator[Any]:
+    """A process group of ``world_size`` ranks, this process rank 0, with torch's ``fake``
+    backend (no communication), and a CPU device mesh over it; torn down after. ``who``
+    names what needs it, for the error where this process has a group already."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise MbtuneError(
+            f"{who} runs rank 0 of N on a fake process group of its own, and this process "
+            "already has a process group; run it from a process without one"
+        )
+    import torch.distributed.fsdp  # noqa: F401  (registers torch 2.13's fake backend)
+
+    if not hasattr(dist.Backend, "FAKE"):
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (torch < 2.10)
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def shard(
+    module: Any, units: list[Any], mesh: Any, policy: Any, *, reshard_after_forward: bool
+) -> None:
+    """FSDP2 over ``mesh``: each of ``units`` (:func:`shard_units`, inner first) a unit of
+    its own, then the root, each with ``reshard_after_forward`` (FSDP2 keeps the root's
+    parameters after the forward pass whatever it is told: the backward starts with them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+@contextlib.contextmanager
+def gradient_sync_skipped(model: Any, *, skip: bool = True) -> Iterator[None]:
+    """A sharded model's backward passes in this context reduce-scatter no gradient
+    (``set_requires_gradient_sync(False)``) where ``skip``, else as usual."""
+    if not skip:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def mixed_precision(precision: str) -> Any:

@@ -6,7 +6,9 @@ by at most one sample, each loss scaled by (micro-batch samples / P) so the accu
 gradient equals the full-batch one, then the gradient all-reduce, then the optimizer
 step. The steps are timed by one loop (mbtune.trial.measure): with ``trial.parallel: simulate``
 one process measures one device's share and the all-reduce is modelled
-(:func:`ring_allreduce_s`); with ``ddp`` every device is a real process of a Ray Train run
+(:func:`ring_allreduce_s`; with ``trial.sharding: fsdp`` the process is rank 0 of N on a
+fake process group, its shard real, and FSDP2's all-gathers and reduce-scatters are
+modelled: :func:`fsdp_sync_s`); with ``ddp`` every device is a real process of a Ray Train run
 and the all-reduce is PyTorch's (mbtune.trial.ddp). ``trial.backend: replay`` answers from a
 table instead (mbtune.trial.replay). Compile time is measured on its own and never mixed into
 throughput; every step time is kept.
@@ -42,15 +44,18 @@ from mbtune.trial.measure import (
     no_phase,
     resolve_device,
 )
-from mbtune.trial.memory import release, retry_note
+from mbtune.trial.memory import fixed_mmap_threshold, release, retry_note
 from mbtune.trial.replay import replay
+from mbtune.trial.sharding import SimulatedShards, fake_process_group
 
 __all__ = [
     "TrialRequest",
     "TrialResult",
     "objective",
     "result_of",
+    "fsdp_sync_s",
     "ring_allreduce_s",
+    "ring_gather_s",
     "run_trial",
     "trial_metrics",
 ]
@@ -69,6 +74,10 @@ class TrialResult:
     micro_batch_size: int
     """The micro-batch size measured (after halving on OOM, or m = P for batch mixing)."""
     activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    """Sharded: whether each block's parameters were freed after its forward pass."""
+    grad_sync: str = "last"
+    """When the gradients were synchronised: ``last`` or ``every`` micro-batch."""
     per_device_batch: int
     grad_accum_steps: int
     micro_batches: tuple[int, ...] = ()
@@ -89,8 +98,9 @@ class TrialResult:
     compute_time_ms: float | None = None
     """Median time of the forward/backward passes and optimizer step on one device."""
     comm_time_ms: float = 0.0
-    """Ring all-reduce time per step (zero on one device): modelled with ``simulate``;
-    with ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
+    """Ring all-reduce time per step (zero on one device): modelled with ``simulate``
+    (sharded: the step's all-gathers and reduce-scatters, :func:`fsdp_sync_s`); with
+    ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
     bubble_time_ms: float = 0.0
     """Modelled pipeline bubble per step (zero without pipeline stages)."""
     compile_s: float | None = None
@@ -123,7 +133,8 @@ class TrialResult:
     """``simulate`` (one device measured, all-reduce modelled) or ``ddp`` (every device a
     real process: step times, compute and all-reduce all measured)."""
     sharding: str = "none"
-    """``none`` (each device held the whole model) or ``fsdp`` (each ddp worker its shard)."""
+    """``none`` (each device held the whole model) or ``fsdp`` (each ddp worker its shard;
+    with ``simulate``, rank 0's shard on a fake process group)."""
     reason: str | None = None
     """Why the status is not ok, in one line."""
     note: str | None = None
@@ -134,7 +145,12 @@ class TrialResult:
     @property
     def config(self) -> BatchConfig:
         return BatchConfig(
-            self.batch_size, self.num_devices, self.micro_batch_size, self.activation_checkpointing
+            self.batch_size,
+            self.num_devices,
+            self.micro_batch_size,
+            self.activation_checkpointing,
+            self.reshard_after_forward,
+            self.grad_sync,  # type: ignore[arg-type]
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -153,10 +169,42 @@ def ring_allreduce_s(
     A ring all-reduce is a reduce-scatter then an all-gather, each n - 1 steps that move
     S / n bytes per link: t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency.
     """
+    return 2 * ring_gather_s(grad_bytes, num_devices, bandwidth, latency_s)
+
+
+def ring_gather_s(nbytes: int, num_devices: int, bandwidth: float, latency_s: float) -> float:
+    """Time of a ring all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over
+    ``num_devices``: n - 1 steps that move S / n bytes per link, t = (n - 1) / n * S /
+    bandwidth + (n - 1) * latency; half a ring all-reduce."""
     if num_devices <= 1:
         return 0.0
     n = num_devices
-    return 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * latency_s
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency_s
+
+
+def fsdp_sync_s(
+    units: tuple[tuple[int, int], ...],
+    config: BatchConfig,
+    bandwidth: float,
+    latency_s: float,
+) -> float:
+    """One step's FSDP2 collectives (``trial.sharding: fsdp``) over ``config.num_devices``,
+    ring-modelled unit by unit (:func:`ring_gather_s`). ``units``: each FSDP unit's
+    (all-gather bytes: its parameters in the compute dtype, reduce-scatter bytes: its
+    gradients in the reduce dtype), the root last. Each of the step's g micro-batches
+    all-gathers every unit in its forward pass and, with ``reshard_after_forward``, again in
+    its backward (not the root's: FSDP2 keeps them for the backward); the gradients are
+    reduce-scattered once a step (``grad_sync: last``) or once a micro-batch (``every``).
+    A unit gathered once and reduce-scattered once moves an all-reduce's bytes."""
+    n, g = config.num_devices, config.grad_accum_steps
+    scatters = g if config.grad_sync == "every" else 1
+    total = 0.0
+    for i, (gather, scatter) in enumerate(units):
+        root = i == len(units) - 1
+        gathers = g * (2 if config.reshard_after_forward and not root else 1)
+        total += gathers * ring_gather_s(gather, n, bandwidth, latency_s)
+        total += scatters * ring_gather_s(scatter, n, bandwidth, latency_s)
+    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,10 +283,26 @@ def _measure_here(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Mea
     # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(exp.trial.device)
-    try:
-        return measure(exp, config, device, OneProcess(), phase)
-    finally:
-        release(torch, device)
+    if exp.trial.sharding != "fsdp":
+        try:
+            return measure(exp, config, device, OneProcess(), phase)
+        finally:
+            release(torch, device)
+    if device.type == "cpu":
+        fixed_mmap_threshold()  # as a ddp rank: the peak is what the shard held
+    # rank 0 of N alone: FSDP2 over torch's fake process group (no communication)
+    with fake_process_group(config.num_devices, who="a simulated sharded trial"):
+        group = SimulatedShards(
+            device,
+            exp.trial,
+            seed=exp.search.seed,
+            reshard_after_forward=config.reshard_after_forward,
+            grad_sync=config.grad_sync,
+        )
+        try:
+            return measure(exp, config, device, group, phase)
+        finally:
+            release(torch, device)
 
 
 def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
@@ -259,9 +323,12 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
     stages, bubble_share, steps = 1, 0.0, list(measured.step_s)
     if measured.comm_s is None:
         stages = max(1, exp.train_input.pipeline_stages)
-        comm = ring_allreduce_s(
-            measured.grad_bytes // stages, config.num_devices, *tr.link(measured.device)
-        )
+        link = tr.link(measured.device)
+        if measured.fsdp_units:  # sharded: FSDP2's all-gathers and reduce-scatters
+            units = tuple((a // stages, b // stages) for a, b in measured.fsdp_units)
+            comm = fsdp_sync_s(units, config, *link)
+        else:
+            comm = ring_allreduce_s(measured.grad_bytes // stages, config.num_devices, *link)
         # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and
         # the p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
         bubble_share = lattice.bubble_fraction(stages, config.grad_accum_steps)
@@ -302,6 +369,8 @@ def _base_result(
         num_devices=config.num_devices,
         micro_batch_size=config.micro_batch_size,
         activation_checkpointing=config.activation_checkpointing,
+        reshard_after_forward=config.reshard_after_forward,
+        grad_sync=config.grad_sync,
         per_device_batch=config.per_device_batch,
         grad_accum_steps=config.grad_accum_steps,
         micro_batches=tuple(config.micro_batch_sizes),
