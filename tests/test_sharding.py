@@ -182,8 +182,8 @@ def test_a_transformers_llama_from_its_config_runs_sharded(ray_session):
 @pytest.mark.slow
 def test_a_sharded_trial_on_two_workers_has_the_loss_of_one_process(ray_session):
     """The same seed and B: the 2 workers' samples are the global batch's halves, their
-    shards the one process's init, so the last timed step's loss (after the first step's
-    update) is the one process's, all-reduced over the ranks."""
+    shards the one process's init, and the first step learns nothing on either, so the
+    last timed step's loss is the one process's, all-reduced over the ranks."""
     gpt = {"name": "gpt", **GPT}
     sharded = run_trial(_experiment(gpt, "fsdp", batch_size=8), BatchConfig(8, 2, 2))
     assert (sharded.status, sharded.reason, sharded.grad_accum_steps) == ("ok", None, 2)

@@ -181,13 +181,17 @@ def test_a_measurement_with_its_all_reduce_measured_is_reported_as_measured():
 
 
 def test_the_loss_is_the_last_timed_steps_mean_over_the_batch_at_any_micro_batch_size():
-    """warm-up 0, 1 timed step: the loss after the first step's update, by hand."""
+    """warm-up 0, 1 timed step: the loss after the first step, by hand. The first step
+    (compile, allocation) learns nothing: its gradients are zeroed before AdamW's step,
+    which then only decays the weights, as it does on every rank of ddp and fsdp."""
     exp = experiment(trial={"warmup_steps": 0, "measure_steps": 1})
     spec = build_model("mlp", exp.model.options, seed=exp.search.seed)
     torch.manual_seed(exp.search.seed)
     batch = spec.make_batch(16, torch.device("cpu"))
     spec.loss_fn(spec.module, batch).backward()
-    torch.optim.AdamW(spec.module.parameters(), lr=1e-4).step()
+    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=1e-4)
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.step()
     with torch.no_grad():
         expected = spec.loss_fn(spec.module, batch).item()
     for m in (16, 4, 3):  # one pass, four, and uneven micro-batches (3 x 4 + 2 x 2)

@@ -202,13 +202,19 @@ def _timed_steps(
     step_loss = StepLoss(spec.loss_fn, total=total)  # unscaled: inside fp16's scaler
     loss_fn = precision.loss(step_loss)
 
-    def local_step(zero_grads: bool = False) -> None:
-        if group.sharded:  # FSDP communicates in every pass: no step is local
-            step()
-            return
-        with group.no_sync(wrapped):
-            accumulate_gradients(loss_fn, model, batches, total=total)
-        if zero_grads and group.world_size > 1:  # every rank's weights stay equal
+    def local_step(first: bool = False) -> None:
+        """A step without DDP's all-reduce (FSDP communicates in every pass: no step of
+        it is local). ``first``: the step that compiles and allocates learns nothing (its
+        gradients are zeroed before the optimizer's step, whose state it allocates), so
+        that every trial's timed steps start from the same weights: with ddp the ranks'
+        local gradients differ, and one process, ddp and fsdp give one loss."""
+        if group.sharded:
+            synced_step(loss_fn, model, batches, total=total,
+                        no_sync=lambda: group.no_sync(wrapped))  # fmt: skip
+        else:
+            with group.no_sync(wrapped):
+                accumulate_gradients(loss_fn, model, batches, total=total)
+        if first:
             optimizer.zero_grad(set_to_none=False)
         _optimizer_step(precision, optimizer)
 
@@ -228,7 +234,7 @@ def _timed_steps(
         phase("compiling" if tr.compile else "first step", 0, 0)
         first = None
         try:
-            first = timed(lambda: local_step(zero_grads=True))
+            first = timed(lambda: local_step(first=True))
         except Exception as e:
             if group.sharded and not group.simulated:
                 raise  # the other ranks wait in FSDP's collectives: no agreeing here
