@@ -244,3 +244,14 @@ def test_on_a_quiet_machine_a_tie_waits_for_every_look_the_search_may_take():
     apart = {8: (800, 805, 798), 16: (720, 722, 719)}
     a = model.assess(flat_top(apart))
     assert a.tie is None and a.recommended == BatchConfig(32, 2, 8)
+
+
+def test_a_target_of_100_never_stops_on_a_tie_either():
+    from mbtune.recommend.confidence import SearchModel
+
+    points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+    model = SearchModel(tuple(sorted({p.canonical() for p in points})), noise_floor=0.035)
+    twice = {1: (735, 660), 2: (700, 790), 4: (680, 780), 8: (775, 690), 16: (700, 790)}
+    assert model.assess(flat_top(twice)).tie is not None
+    never = dataclasses.replace(model, target=100).assess(flat_top(twice))
+    assert never.tie is None and never.contenders is None

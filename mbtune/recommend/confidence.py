@@ -331,8 +331,8 @@ def assess(
     recommended = candidates[best_measured]
     columns = {candidates[i]: j for j, i in enumerate(keep) if i in fitted}
     each = within_draws(draws, margin)
-    contenders = None
-    if probability * 100 < target:
+    contenders = None  # a target above what a score can reach (100): the search never stops
+    if probability * 100 < target <= MAX_SCORE:
         contenders = _contenders(each, columns, estimate, held_open, target=target)
     values = [o.value for o in ok if o.config == recommended]
     return Assessment(
