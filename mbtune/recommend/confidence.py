@@ -226,6 +226,9 @@ class Assessment:
     prior alone)."""
     drift_dof: int = 0
     """Degrees of freedom of repeats behind ``drift`` (0: the prior alone)."""
+    trial_sd: float = 0.0
+    """One trial's relative spread the model allowed for: the drift with the step noise of
+    a trial's median (their variances pooled over the trials): what a tie is read against."""
     estimate: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
     """Each measured feasible configuration's objective as the model estimates it (the
     posterior mean): what the recommendation and the table of the best rank by."""
@@ -310,8 +313,8 @@ def assess(
     draws = gp.sample(z[keep], samples, seed) + offset[keep]
     r = keep.index(best_measured)
     margin = math.log(1 - tolerance)
-    within = draws[:, r] >= draws.max(axis=1) + margin
-    probability = float(within.mean())
+    each = within_draws(draws, margin)
+    probability = float(each[:, r].mean())
     winners = np.bincount(draws.argmax(axis=1), minlength=len(keep)) / len(draws)
     beating = draws + margin > draws[:, [r]]
     beats = beating.mean(axis=0)
@@ -330,7 +333,6 @@ def assess(
     )  # fmt: skip
     recommended = candidates[best_measured]
     columns = {candidates[i]: j for j, i in enumerate(keep) if i in fitted}
-    each = within_draws(draws, margin)
     contenders = None  # a target above what a score can reach (100): the search never stops
     if probability * 100 < target <= MAX_SCORE:
         contenders = _contenders(each, columns, estimate, held_open, target=target)
@@ -348,6 +350,7 @@ def assess(
         unmeasured_threat=unmeasured_threat,
         drift=drift,
         drift_dof=drift_dof,
+        trial_sd=math.sqrt(float(noise_var.mean())),
         estimate=estimate,
         unmeasured_values=unbounded,
         open_points=open_points,
@@ -498,14 +501,13 @@ class SearchModel:
             sharded=self.sharded,
         )
 
-    def _tie(self, a: Assessment, observations: tuple[Observation, ...]) -> Tie | None:
+    def _tie(self, a: Assessment) -> Tie | None:
         """The contenders, where another look cannot tell them apart at this machine's
         spread (module docstring, 6)."""
         tie = a.contenders
         if tie is None:
             return None
-        spread, _ = relative_step_noise(o for o in observations if o.status == "ok")
-        sd = math.sqrt(a.drift**2 + (math.pi / 2) * spread**2 / 5)
+        sd = a.trial_sd
         fastest = max(a.estimate[c] for c in tie.members)
         # could the looks the search may still take tell two apart by the tolerance?
         resolvable = sd * math.sqrt(2 / max(1, self.max_repeats)) < TIE_RESOLVES * TOLERANCE
@@ -520,7 +522,7 @@ class SearchModel:
 @functools.lru_cache(maxsize=4)
 def _remembered(model: SearchModel, observations: tuple[Observation, ...]) -> Assessment:
     a = model._score(observations)
-    tie = model._tie(a, observations)
+    tie = model._tie(a)
     if tie is None:
         return a
     pick = tie.members[0]

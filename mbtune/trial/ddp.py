@@ -292,13 +292,7 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> Measurement:
     if device.type == "cpu":
         fixed_mmap_threshold()  # the peak is the process's: count what it held
     if exp.trial.sharding == "fsdp":
-        group = FullyShardedGroup(
-            device,
-            exp.trial,
-            seed=exp.search.seed,
-            reshard_after_forward=config.reshard_after_forward,
-            grad_sync=config.grad_sync,
-        )
+        group = FullyShardedGroup.for_config(device, exp.trial, config, seed=exp.search.seed)
     else:
         group = ProcessGroup(device)
     measured = measure(exp, config, device, group)

@@ -72,6 +72,12 @@ class FullyShardedGroup(ProcessGroup):
 
     sharded = True
 
+    @classmethod
+    def for_config(cls, device: Any, trial: TrialConfig, config: Any, *, seed: int) -> Any:
+        """The group for one configuration (mbtune.lattice.BatchConfig): its FSDP settings."""
+        return cls(device, trial, seed=seed, reshard_after_forward=config.reshard_after_forward,
+                   grad_sync=config.grad_sync)  # fmt: skip
+
     def __init__(
         self,
         device: Any,

@@ -292,13 +292,7 @@ def _measure_here(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Mea
         fixed_mmap_threshold()  # as a ddp rank: the peak is what the shard held
     # rank 0 of N alone: FSDP2 over torch's fake process group (no communication)
     with fake_process_group(config.num_devices, who="a simulated sharded trial"):
-        group = SimulatedShards(
-            device,
-            exp.trial,
-            seed=exp.search.seed,
-            reshard_after_forward=config.reshard_after_forward,
-            grad_sync=config.grad_sync,
-        )
+        group = SimulatedShards.for_config(device, exp.trial, config, seed=exp.search.seed)
         try:
             return measure(exp, config, device, group, phase)
         finally:
