@@ -14,8 +14,16 @@ card), on this CPU-only machine: the command's wall time and its peak resident s
 one process, and 2 gloo workers; eager and compiled), which mbtune.trial.predict's
 CPU_PROCESS_BASELINE_BYTES and CPU_COMPILE_BYTES hold.
 
+On a card (`--cuda`, needs only torch, transformers and mbtune: no Ray): the same
+comparison for sharded configurations on the one lent GPU, `trial.parallel: simulate` with
+`sharding: fsdp` (rank 0 of N on torch's fake process group: its shard, gathered units,
+gradients, optimizer state and activations are real allocations on the card, its
+collectives move nothing), the measured peak `max_memory_allocated`. It includes the 7B
+Llama `mbtune init --model hf:llama --device cuda` writes (seq_len 64, bf16), which no
+single GPU holds unsharded.
+
 Run: `.venv/bin/python bench/memory_prediction.py [--baseline] [--quick]` (`--quick`:
-the 7B cost alone).
+the 7B cost alone); `python3 bench/memory_prediction.py --cuda` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -32,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _common import MBTUNE, ROOT, machine, save, table
+from _common import ROOT, machine, save, table
 
 MIB = 2**20
+MBTUNE_COMMAND = (sys.executable, "-m", "mbtune")  # on a lent card mbtune is not installed
 
 _TRIAL = {"device": "cpu", "precision": "fp32", "compile": False, "warmup_steps": 1,
           "measure_steps": 2, "timeout_s": 400, "parallel": "ddp"}  # fmt: skip
@@ -59,6 +68,25 @@ CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any], tuple[int, int, int]]] 
 ]  # fmt: skip
 """(label, model, trial keys, (B, n, m)): configurations the prediction was not tuned on."""
 
+_LLAMA_7B = {"name": "hf:llama", "seq_len": 64}  # LlamaConfig's defaults: 6.7B parameters
+_LLAMA_156M = {"name": "hf:llama", "num_hidden_layers": 8, "hidden_size": 1024,
+               "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
+               "vocab_size": 32000, "seq_len": 512}  # fmt: skip
+_CUDA_TRIAL = {"device": "cuda", "precision": "auto", "compile": False, "warmup_steps": 1,
+               "measure_steps": 2, "timeout_s": 400, "parallel": "simulate",
+               "sharding": "fsdp"}  # fmt: skip
+CUDA_CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any], tuple[int, int, int]]] = [
+    ("hf:llama 7B, fsdp", _LLAMA_7B, {}, (32, 2, 1)),
+    ("hf:llama 7B, fsdp, m 4", _LLAMA_7B, {}, (32, 2, 4)),
+    ("hf:llama 7B, fsdp, no reshard", _LLAMA_7B, {"reshard_after_forward": False}, (32, 2, 1)),
+    ("hf:llama 7B, fsdp, grad_sync every", _LLAMA_7B, {"grad_sync": "every"}, (32, 2, 1)),
+    ("hf:llama 7B, fsdp, 8 devices", _LLAMA_7B, {}, (32, 8, 4)),
+    ("hf:llama 156M, fsdp", _LLAMA_156M, {}, (16, 2, 8)),
+    ("hf:llama 156M, fsdp, ckpt", _LLAMA_156M, {"activation_checkpointing": True}, (16, 2, 8)),
+    ("hf:llama 156M, fsdp, fp32, 4 devices", _LLAMA_156M, {"precision": "fp32"}, (16, 4, 4)),
+]  # fmt: skip
+"""On a card (``--cuda``): (label, model, trial keys over _CUDA_TRIAL, (B, n, m))."""
+
 LLAMA_7B = {
     "name": "llama-7b",
     "model": {"name": "hf:llama"},
@@ -68,13 +96,18 @@ LLAMA_7B = {
 }
 
 
-def experiment(model: dict[str, Any], trial: dict[str, Any], sizes: tuple[int, int, int]):
+def experiment(
+    model: dict[str, Any],
+    trial: dict[str, Any],
+    sizes: tuple[int, int, int],
+    base: dict[str, Any] = _TRIAL,
+):
     b, n, m = sizes
     return {
         "name": "memory-prediction",
         "model": model,
         "train_input": {"batch_size": b, "num_devices": n, "micro_batch_size": m},
-        "trial": {**_TRIAL, **trial},
+        "trial": {**base, **trial},
     }
 
 
@@ -83,7 +116,7 @@ def mbtune(command: str, path: Path, cwd: str) -> tuple[dict[str, Any], float, i
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [str(MBTUNE), command, str(path), "--json"], cwd=cwd, capture_output=True, text=True
+        [*MBTUNE_COMMAND, command, str(path), "--json"], cwd=cwd, capture_output=True, text=True
     )
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
@@ -95,15 +128,19 @@ def mbtune(command: str, path: Path, cwd: str) -> tuple[dict[str, Any], float, i
     return json.loads(lines[-1]), wall, rss if rss > before * 1024 else -1
 
 
-def accuracy(cwd: str) -> list[dict[str, Any]]:
+def accuracy(cwd: str, *, cuda: bool = False) -> list[dict[str, Any]]:
     rows = []
-    for label, model, trial, sizes in CONFIGS:
+    for label, model, trial, sizes in CUDA_CONFIGS if cuda else CONFIGS:
         path = Path(cwd) / f"{len(rows)}.yaml"
-        path.write_text(yaml.safe_dump(experiment(model, trial, sizes)))
+        base = _CUDA_TRIAL if cuda else _TRIAL
+        path.write_text(yaml.safe_dump(experiment(model, trial, sizes, base)))
         predicted, predict_s, _ = mbtune("memory", path, cwd)
         measured, _, _ = mbtune("trial", path, cwd)
         if measured["status"] != "ok":
-            raise SystemExit(f"{label}: {measured['status']}: {measured['reason']}")
+            if not cuda:
+                raise SystemExit(f"{label}: {measured['status']}: {measured['reason']}")
+            print(f"{label}: {measured['status']}: {measured['reason']}", flush=True)
+            continue  # on a lent card: record the rest
         row = {
             "label": label,
             "batch_size": sizes[0], "num_devices": sizes[1], "micro_batch_size": sizes[2],
@@ -112,6 +149,8 @@ def accuracy(cwd: str) -> list[dict[str, Any]]:
             "measured_bytes": measured["peak_memory_bytes"],
             "parts": predicted["parts"],
             "predict_s": predict_s,
+            "step_ms": measured.get("step_time_ms_median"),
+            "precision": measured.get("precision"),
         }  # fmt: skip
         row["ratio"] = row["predicted_bytes"] / row["measured_bytes"]
         rows.append(row)
@@ -148,9 +187,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", action="store_true", help="measure the baselines too")
     parser.add_argument("--quick", action="store_true", help="the 7B cost alone")
+    parser.add_argument("--cuda", action="store_true", help="sharded, on the CUDA card here")
     args = parser.parse_args()
     info = machine()
     data: dict[str, Any] = {}
+    if args.cuda:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        info["card"] = f"{props.name}, {props.total_memory / MIB:,.0f} MiB"
+        with tempfile.TemporaryDirectory() as cwd:
+            data["accuracy"] = rows = accuracy(cwd, cuda=True)
+        print(table(
+            ["configuration", "B", "n", "m", "precision", "predicted MiB", "measured MiB",
+             "ratio", "step ms"],
+            [[r["label"], r["batch_size"], r["num_devices"], r["micro_batch_size"],
+              r["precision"], r["predicted_bytes"] / MIB, r["measured_bytes"] / MIB,
+              r["ratio"], r["step_ms"] or 0] for r in rows],
+        ))  # fmt: skip
+        print(f"\nwrote {save('memory_prediction.cuda', info, data).relative_to(ROOT)}")
+        return
     with tempfile.TemporaryDirectory() as cwd:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         if args.baseline:

@@ -80,6 +80,24 @@ def test_a_cuda_device_is_predicted_without_one_in_bf16_and_without_a_process_ba
     assert p.peak_memory_bytes == states + p.activations_bytes + p.collective_buffers_bytes
 
 
+@pytest.mark.parametrize(("sharding", "shards"), [("none", 1), ("fsdp", 2)])
+def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(sharding, shards):
+    # a card's AdamW is the multi-tensor one: its step holds the second moments' square
+    # roots, one more copy of this rank's parameters (a 7B Llama on an H200 peaked there);
+    # a model whose parameters dwarf its activations peaks in that step
+    heavy = {**TINY_GPT, "n_layer": 8, "d_model": 256, "vocab_size": 64, "seq_len": 2}
+    experiment = raw(heavy, precision="fp32", parallel="ddp", sharding=sharding)
+    cpu = predict_memory(parse_experiment(experiment), BatchConfig(4, 2, 2))
+    experiment["trial"]["device"] = "cuda"
+    experiment["ray"] = {"gpus_per_trial": 1}
+    card = predict_memory(parse_experiment(experiment), BatchConfig(4, 2, 2))
+    rank_parameters = 4 * card.num_parameters / shards  # fp32 bytes of this rank's shard
+    assert card.optimizer_state_bytes == pytest.approx(3 * rank_parameters, rel=0.02)
+    assert cpu.optimizer_state_bytes < 2.5 * rank_parameters
+    states = card.parameters_bytes + card.gradients_bytes + card.optimizer_state_bytes
+    assert card.peak_memory_bytes == states + card.activations_bytes + card.collective_buffers_bytes
+
+
 def test_sharding_over_more_devices_divides_the_optimizer_state():
     """FSDP2 on a fake process group: rank 0's shard of N, and its all-gather buffers."""
     exp = parse_experiment(raw(parallel="ddp", sharding="fsdp"))

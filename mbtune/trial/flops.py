@@ -14,7 +14,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PEAK_TFLOPS", "count_flops_per_sample", "device_peak", "peak_tflops", "utilisation"]
+__all__ = [
+    "PEAK_TFLOPS",
+    "attention_flops",
+    "count_flops_per_sample",
+    "device_peak",
+    "peak_tflops",
+    "utilisation",
+]
 
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     (r"H100.*PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
@@ -52,20 +59,35 @@ def device_peak(device: Any, precision: str, given: float | None = None) -> floa
     return peak_tflops(torch.cuda.get_device_name(device), precision)
 
 
+def attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of one fused attention's forward pass, from the shapes (batch, heads, tokens,
+    width) of its query, key and value: the scores (q k^T) and their product with v, over
+    the query's heads; key and value may have fewer heads (grouped-query attention), each
+    shared by a group of the query's. Causal masking is not discounted (as torch's count)."""
+    b, heads, s_q, d = query
+    s_k, d_v = key[-2], value[-1]
+    return 2 * b * heads * s_q * s_k * (d + d_v)
+
+
 def count_flops_per_sample(loss_fn: Callable, module: Any, batch: Any, samples: int) -> float:
     """Model FLOPs of one sample's training step: 3 x the forward pass of ``batch`` (of
     ``samples`` samples), counted by FlopCounterMode on ``module`` run eagerly, without
     gradients (so no activation is kept, and no checkpoint recomputes)."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from torch.utils.flop_counter import FlopCounterMode
 
-    def cpu_attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-        return sdpa_flop_count(query, key, value)
-
-    # torch counts the fused attention kernels of CUDA; the CPU's has no formula of its own
-    # (torch 2.13), so without this an attention-heavy model's FLOPs were a third short
-    cpu_kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    mapping = {cpu_kernel: cpu_attention} if cpu_kernel is not None else {}
+    # every fused attention kernel counted by one formula: the CPU's has none of its own
+    # (torch 2.13: an attention-heavy model's FLOPs were a third short), and before torch
+    # 2.13 the CUDA ones refused grouped-query attention (key and value with fewer heads:
+    # a bf16 Llama's trial failed on an H200 with torch 2.11)
+    kernels = (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    mapping = {op: attention_flops for name in kernels
+               if (op := getattr(torch.ops.aten, name, None)) is not None}  # fmt: skip
     counter = FlopCounterMode(display=False, custom_mapping=mapping)
     with torch.no_grad(), counter:
         loss_fn(module, batch)
