@@ -41,7 +41,7 @@ Landscapes (`--landscape`; each with its own defaults for seeds, noise and drift
 
 Run: `.venv/bin/python bench/close_calls.py [--landscape measured|close|drawn-close|
 fewer-devices] [--seeds N] [--first-seed 0] [--noise F] [--drift F] [--sampler model]
-[--max-repeats 3] [--tag T]`; `--quick` (10 seeds, raw figures not saved) to iterate.
+[--max-repeats N] [--tag T]`; `--quick` (10 seeds, raw figures not saved) to iterate.
 The exit status is 1 where the target is missed.
 """
 
@@ -68,6 +68,7 @@ from search_efficiency import (
 )
 
 from mbtune.config.load import parse_experiment
+from mbtune.config.schema import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.search import make_searcher, search_points
 from mbtune.trial.trial import trial_metrics
@@ -198,7 +199,8 @@ def main() -> int:
     parser.add_argument("--drift", type=float, default=None, help="default: the landscape's")
     parser.add_argument("--sampler", default="model")
     parser.add_argument("--tag", default="", help="appended to the raw figures' file name")
-    parser.add_argument("--max-repeats", type=int, default=3)
+    parser.add_argument("--max-repeats", type=int, default=SearchConfig.max_repeats,
+                        help="default: search.max_repeats's")  # fmt: skip
     parser.add_argument("--num-samples", type=int, default=None,
                         help="default 24, or twice the lattice where that is more")  # fmt: skip
     args = parser.parse_args()

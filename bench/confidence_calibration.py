@@ -65,11 +65,12 @@ from _common import BENCH, machine, save
 from search_efficiency import by_thirds, drawn_landscapes, landscapes, replayed, stopping_search
 
 from mbtune.config.experiment import DEFAULT_NOISE_FLOOR
+from mbtune.config.schema import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.search import make_searcher
 
 TARGET = 90
-MAX_REPEATS = 3
+MAX_REPEATS = SearchConfig.max_repeats  # what a user's search gets
 MIN_BIN = 30
 BOOTSTRAP = 1000
 """Resamples of the seeds behind each gap's 90% interval."""

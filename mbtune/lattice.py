@@ -358,6 +358,12 @@ class BatchConfig:
             str(data.get("grad_sync") or "last").strip() or "last",  # type: ignore[arg-type]
         )
 
+    @classmethod
+    def of(cls, record: Any) -> BatchConfig:
+        """The configuration a record measured: one with this class's fields as
+        attributes (a trial's result, a trials.csv row)."""
+        return cls(*(getattr(record, f.name) for f in dataclasses.fields(cls)))
+
     def sizes(self) -> dict[str, Any]:
         """What names the configuration: the three sizes, and each setting where it is not
         its default (so that a configuration without them reads as it always has)."""

@@ -270,6 +270,47 @@ def test_the_strongest_rival_is_measured_twice_before_the_search_stops_where_it_
     assert settled(once, **{**rule, "max_repeats": 1})
 
 
+def test_each_device_count_is_measured_where_the_model_says_it_is_fastest_before_a_stop():
+    from mbtune.search import RIVAL_ACROSS, another_look, settled
+
+    rule = {"target": 90, "max_repeats": 3, "noise_floor": 0.035}
+    # 1 device measured only at a small micro-batch: the model carries 2 devices' curve
+    # over to it and gives its best at m = 32 under the 2% of a rival, which a link tier
+    # can hide
+    small, large = BatchConfig(32, 1, 2), BatchConfig(32, 1, 32)
+    a = assessment(97, {LEADER: 2, small: 1}, {small: 0.0, large: 0.015, OTHER: 0.001})
+    assert not settled(a, **rule)
+    assert another_look(a, **RULE, new_threat=0.0) == (
+        large, "measuring the strongest rival before stopping"
+    )  # fmt: skip
+    # measured, or given no chance by the model: the stop stands
+    assert settled(assessment(97, {LEADER: 2, large: 1}, {large: 0.015}), **rule)
+    assert settled(assessment(97, {LEADER: 2}, {large: RIVAL_ACROSS / 2}), **rule)
+    # on the leader's own device count the 2% rule alone
+    assert settled(assessment(97, {LEADER: 2}, {BatchConfig(32, 2, 16): 0.01}), **rule)
+
+
+def test_a_tie_waits_for_a_material_rival_outside_it_that_was_never_measured():
+    import dataclasses
+
+    from mbtune.recommend.confidence import Tie
+    from mbtune.search import another_look, settled
+
+    rule = {"target": 90, "max_repeats": 3, "noise_floor": 0.035}
+    tie = Tie(members=(LEADER, OTHER), width=0.01, probability=0.9)
+    # four devices' micro-batch sizes tie while two devices at a large one was never measured
+    a = dataclasses.replace(
+        assessment(60, {LEADER: 2, OTHER: 2}, {OTHER: 0.3, RIVAL: 0.03}), tie=tie
+    )
+    assert not settled(a, **rule)
+    assert another_look(a, **RULE, new_threat=0.0) == (
+        RIVAL, "measuring the strongest rival before stopping"
+    )  # fmt: skip
+    # measured once is enough outside a tie; the members are the tie's business
+    seen = dataclasses.replace(a, looks={LEADER: 2, OTHER: 2, RIVAL: 1})
+    assert settled(seen, **rule) and another_look(seen, **RULE, new_threat=0.0) is None
+
+
 def test_below_the_target_a_close_rival_is_looked_at_again_where_it_beats_anything_new():
     from mbtune.search import another_look
 

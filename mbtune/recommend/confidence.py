@@ -14,15 +14,9 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    one trial cannot see: estimated from the configurations measured more than once (how
    far their repeats disagree beyond their step noise), with ``noise_floor`` as the
    prior (worth ``DRIFT_PRIOR_DOF`` repeats). Every repeat is an observation of its own.
-3. **A model of the rest.** The log of the objective over (log2 m, log2 n, log2 B, and
-   activation checkpointing as 0 or 1 where the space searches it) is a
-   Gaussian process: a constant, a linear trend (throughput scales with devices and
-   grows with m), a curvature in n (communication can make fewer devices faster), a
-   curvature in m (throughput saturates with the micro-batch) and a smooth Matern-5/2
-   deviation from them. Its two shape
-   hyperparameters (length scale, amplitude) are not fixed but averaged over a grid,
-   each weighted by how well it explains the measurements (Bayesian model averaging):
-   with few measurements many shapes remain possible, and the score stays low.
+3. **A model of the rest** (:mod:`mbtune.recommend.gp`). The log of the objective over
+   (m, n, B and the settings of a step, in octaves) is a Gaussian process with a trend
+   and a smooth deviation, averaged over its shape hyperparameters.
 4. **The score.** Joint samples of the true objective of every feasible configuration,
    measured or not, are drawn from the posterior. The recommendation is the measured
    configuration with the highest posterior mean; the score is the fraction of samples
@@ -58,10 +52,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.linalg import solve_triangular
 from threadpoolctl import threadpool_limits
 
 from mbtune.lattice import BatchConfig
+from mbtune.recommend.gp import Mixture, Scale, plausible
 from mbtune.runs.record import CONFIG_KEY, TrialRecord
 
 __all__ = [
@@ -111,15 +105,6 @@ one, 3.5%, can: --landscape close)."""
 
 TIE_SPREADS = 2.0
 """A tie's members' estimates lie within this many measured spreads of each other."""
-
-
-_LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
-_AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
-_TREND_SD = 0.6  # prior sd of the trend's slope per octave (of throughput per device)
-_CURVE_SD = 0.2  # prior sd of the trend's curvature in n, per octave squared (see _kernels)
-_CURVE_M_SD = 0.05  # the same in m: as much as a saturating curve bends (see _kernels)
-_LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
-_MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see _threats)
 
 
 @dataclass(frozen=True)
@@ -295,7 +280,7 @@ def assess(
     spread, _ = relative_step_noise(ok)
     drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
     noise_var = np.array([_step_var(spread, o) + drift**2 for o in ok])
-    scale = _Scale(points)
+    scale = Scale(points)
     candidates = sorted(feasible)
     z = scale(candidates)
 
@@ -303,13 +288,13 @@ def assess(
         return np.log([c.num_devices if global_objective else 1 for c in configs])
 
     y = np.log([o.value for o in ok]) - per_device(o.config for o in ok)
-    gp = _Mixture(scale(o.config for o in ok), y, noise_var)
+    gp = Mixture(scale(o.config for o in ok), y, noise_var)
     offset = per_device(candidates)
     index = {c: i for i, c in enumerate(candidates)}
     measured = sorted({index[o.config] for o in ok})
     fitted = dict(zip(measured, gp.mean(z[measured]) + offset[measured], strict=True))
     best_measured = max(measured, key=fitted.__getitem__)
-    keep = _threats(gp, z, offset, best_measured, tolerance)
+    keep = plausible(gp, z, offset, best_measured, tolerance)
     draws = gp.sample(z[keep], samples, seed) + offset[keep]
     r = keep.index(best_measured)
     margin = math.log(1 - tolerance)
@@ -565,156 +550,3 @@ def _feasible(
         )
 
     return {c for c in (p.canonical() for p in points) if (c in ran or c not in failed) and fits(c)}
-
-
-def _features(c: BatchConfig) -> tuple[float, ...]:
-    """Octaves of m, n and B, and each setting of a step as 0 or 1 (activation
-    checkpointing on; sharded, reshard_after_forward off, grad_sync every): each a surface
-    of its own, shifted by the trend and close to the other by the smooth deviation (one
-    unit apart, as an octave is), so that what one setting measures tells of the other. A
-    setting the space does not vary is one value everywhere: centred away (:class:`_Scale`)."""
-    return (
-        math.log2(c.micro_batch_size),
-        math.log2(c.num_devices),
-        math.log2(c.batch_size),
-        float(c.activation_checkpointing),
-        float(not c.reshard_after_forward),
-        float(c.grad_sync == "every"),
-    )
-
-
-class _Scale:
-    """Features in octaves, centred on the space, so the linear trend pivots at its middle."""
-
-    def __init__(self, points: Sequence[BatchConfig]) -> None:
-        self.centre = np.mean([_features(p) for p in points], axis=0)
-
-    def __call__(self, configs: Iterable[BatchConfig]) -> np.ndarray:
-        return np.array([_features(c) for c in configs]) - self.centre
-
-
-def _threats(
-    gp: _Mixture, z: np.ndarray, offset: np.ndarray, best: int, tolerance: float
-) -> list[int]:
-    """The candidates that could plausibly beat the best measured one (at most a few hundred).
-
-    Joint sampling costs the cube of the candidates; a configuration whose marginal
-    posterior puts it far below the best measured one cannot change the score.
-    """
-    if len(z) <= _MAX_CANDIDATES:
-        return list(range(len(z)))
-    mean, sd = gp.marginals(z)
-    mean = mean + offset
-    margin = (mean - mean[best] - math.log(1 - tolerance)) / np.maximum(sd, 1e-9)
-    order = [i for i in np.argsort(-margin) if i != best][: _MAX_CANDIDATES - 1]
-    return sorted([best, *order])
-
-
-class _Mixture:
-    """Gaussian processes over log objective, averaged over their shape hyperparameters."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray, noise_var: np.ndarray) -> None:
-        self.x = x
-        self.level = float(np.mean(y))
-        self.y = y - self.level
-        self.fits = []
-        for _, k in _kernels(x, x):
-            chol = _cholesky(k + np.diag(noise_var))
-            alpha = _solve(chol, self.y)
-            log_ml = -0.5 * self.y @ alpha - np.log(np.diag(chol)).sum()
-            self.fits.append((log_ml, chol, alpha))
-        log_w = np.array([f[0] for f in self.fits])
-        w = np.exp(log_w - log_w.max())
-        self.weights = w / w.sum()
-
-    def mean(self, z: np.ndarray) -> np.ndarray:
-        """The mixture's posterior mean at ``z``."""
-        return sum(
-            w * (self.level + kzx @ alpha)
-            for w, (_, _, alpha), (_, kzx) in zip(
-                self.weights, self.fits, _kernels(z, self.x), strict=True
-            )
-        )
-
-    def marginals(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The mixture's mean and marginal sd at ``z`` (the variance includes the spread of
-        the components' means)."""
-        prior_trend = _trend(z, z)
-        parts = []
-        for w, (_, chol, alpha), (amplitude, kzx) in zip(
-            self.weights, self.fits, _kernels(z, self.x), strict=True
-        ):
-            v = _lower_solve(chol, kzx.T)
-            var = np.clip(amplitude**2 + prior_trend - (v**2).sum(axis=0), 0, None)
-            parts.append((w, self.level + kzx @ alpha, var))
-        mean = sum(w * m for w, m, _ in parts)
-        return mean, np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
-
-    def sample(self, z: np.ndarray, n: int, seed: int) -> np.ndarray:
-        """``n`` joint draws of the latent log objective at ``z`` (rows: draws)."""
-        rng = np.random.default_rng(seed)
-        counts = rng.multinomial(n, self.weights)
-        draws = []
-        for count, (_, chol, alpha), (_, kzx), (_, kzz) in zip(
-            counts, self.fits, _kernels(z, self.x), _kernels(z, z), strict=True
-        ):
-            if count:
-                v = _lower_solve(chol, kzx.T)
-                root = _cholesky(kzz - v.T @ v)
-                mean = self.level + kzx @ alpha
-                draws.append(mean + rng.standard_normal((count, len(z))) @ root.T)
-        return np.vstack(draws)
-
-
-def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
-    """(amplitude, kernel matrix) for every shape of the grid, in one fixed order;
-    the distances and the trend are computed once for all of them.
-
-    The trend is linear in the octaves of m, n and B, plus a curvature in n and one in m.
-    In n: throughput per device falls with the devices ever faster as communication takes
-    over, so the global throughput can peak below the most devices. In m: a device's
-    throughput saturates with its micro-batch (a fixed cost per micro-batch): in log
-    units the square of the octaves of m has a coefficient of at most about 0.06 on
-    such a curve (docs/confidence.md). Without this term the deviation had to carry the
-    whole bend, its largest amplitude won, and every unmeasured configuration looked
-    uncertain by 30%."""
-    dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
-    base = _trend(a[:, None, :], b[None, :, :])
-    for length in _LENGTH_SCALES:
-        d = dist / length
-        matern = (1 + d + d**2 / 3) * np.exp(-d)
-        for amplitude in _AMPLITUDES:
-            yield amplitude, amplitude**2 * matern + base
-
-
-def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The prior covariance of the trend (constant, slopes, curvature in n) between the
-    points of ``a`` and ``b``, which broadcast against each other: a matrix from
-    ``a[:, None]`` and ``b[None]``, its diagonal from ``a`` and ``a``."""
-    return (
-        _TREND_SD**2 * (a * b).sum(-1)
-        + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
-        + _CURVE_M_SD**2 * a[..., 0] ** 2 * b[..., 0] ** 2
-        + _LEVEL_SD**2
-    )
-
-
-def _cholesky(a: np.ndarray) -> np.ndarray:
-    """Lower Cholesky factor, with just enough jitter for a matrix that is PSD in theory."""
-    a = (a + a.T) / 2
-    jitter = 1e-10 * max(1.0, float(np.mean(np.diag(a))))
-    for _ in range(8):
-        try:
-            return np.linalg.cholesky(a + jitter * np.eye(len(a)))
-        except np.linalg.LinAlgError:
-            jitter *= 10
-    raise np.linalg.LinAlgError("covariance is not positive semi-definite")
-
-
-def _lower_solve(chol: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return solve_triangular(chol, b, lower=True, check_finite=False)
-
-
-def _solve(chol: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``K^-1 y`` from K's lower Cholesky factor."""
-    return solve_triangular(chol, _lower_solve(chol, y), lower=True, trans="T", check_finite=False)

@@ -293,14 +293,7 @@ class TrialRecord:
     @property
     def config(self) -> BatchConfig:
         """The configuration measured (B, n, m as measured, and its settings)."""
-        return BatchConfig(
-            self.batch_size,
-            self.num_devices,
-            self.micro_batch_size,
-            self.activation_checkpointing,
-            self.reshard_after_forward,
-            self.grad_sync,  # type: ignore[arg-type]
-        )
+        return BatchConfig.of(self)
 
     @property
     def predicted(self) -> bool:

@@ -35,6 +35,7 @@ from mbtune.search._run import (
     trial_resources,
 )
 from mbtune.search._searcher import (
+    RIVAL_ACROSS,
     RIVAL_MATERIAL,
     MbtuneSearcher,
     another_look,
@@ -49,6 +50,7 @@ from mbtune.search._signals import graceful_stop
 
 __all__ = [
     "METRIC",
+    "RIVAL_ACROSS",
     "RIVAL_MATERIAL",
     "ConfidenceStop",
     "DoublingSearcher",

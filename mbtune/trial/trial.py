@@ -144,14 +144,8 @@ class TrialResult:
 
     @property
     def config(self) -> BatchConfig:
-        return BatchConfig(
-            self.batch_size,
-            self.num_devices,
-            self.micro_batch_size,
-            self.activation_checkpointing,
-            self.reshard_after_forward,
-            self.grad_sync,  # type: ignore[arg-type]
-        )
+        """The configuration measured (B, n, m as measured, and its settings)."""
+        return BatchConfig.of(self)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
