@@ -51,8 +51,8 @@ compiled one usually holds less), the CUDA allocator's cache and fragmentation
 (``peak_reserved_bytes``), any CPU memory a library keeps beyond its tensors, and which
 attention kernel a card picks where the CPU's differs: transformers calls a card's
 attention with grouped key and value heads, which in fp32 only torch's math kernel takes,
-keeping the score matrices (a 156M Llama in fp32 on an H200: 16% over its prediction;
-in bf16, flash attention, within 3%).
+keeping the score matrices (a 156M Llama in fp32 on an H200: predicted 16% under its
+peak; in bf16, flash attention, within 2%).
 """
 
 from __future__ import annotations
