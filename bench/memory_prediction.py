@@ -130,9 +130,9 @@ def mbtune(command: str, path: Path, cwd: str) -> tuple[dict[str, Any], float, i
 
 def accuracy(cwd: str, *, cuda: bool = False) -> list[dict[str, Any]]:
     rows = []
+    base = _CUDA_TRIAL if cuda else _TRIAL
     for label, model, trial, sizes in CUDA_CONFIGS if cuda else CONFIGS:
         path = Path(cwd) / f"{len(rows)}.yaml"
-        base = _CUDA_TRIAL if cuda else _TRIAL
         path.write_text(yaml.safe_dump(experiment(model, trial, sizes, base)))
         predicted, predict_s, _ = mbtune("memory", path, cwd)
         measured, _, _ = mbtune("trial", path, cwd)

@@ -34,19 +34,16 @@ from mbtune.search._run import (
     start_ray,
     trial_resources,
 )
-from mbtune.search._searcher import (
+from mbtune.search._searcher import MbtuneSearcher, make_searcher, pack_result, unpack_result
+from mbtune.search._signals import graceful_stop
+from mbtune.search._stopping import (
     RIVAL_ACROSS,
     RIVAL_MATERIAL,
-    MbtuneSearcher,
     another_look,
-    make_searcher,
     one_look_reason,
-    pack_result,
     settled,
     strongest_rival,
-    unpack_result,
 )
-from mbtune.search._signals import graceful_stop
 
 __all__ = [
     "METRIC",

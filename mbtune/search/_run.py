@@ -40,8 +40,9 @@ from mbtune.search._ledger import (
     print_line,
     tell_node,
 )
-from mbtune.search._searcher import make_searcher, one_look_reason, pack_result, settled
+from mbtune.search._searcher import make_searcher, pack_result
 from mbtune.search._signals import graceful_stop
+from mbtune.search._stopping import one_look_reason, settled
 from mbtune.search._study import fail_interrupted, record_attrs
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.trial.predict import Screening, screen

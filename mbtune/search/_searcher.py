@@ -24,13 +24,7 @@ from typing import Any
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import (
-    TIE_LOOKS,
-    Assessment,
-    Observation,
-    SearchModel,
-    observation,
-)
+from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.report import another_look_line
 from mbtune.runs.record import CONFIG_KEY, SIZES, TrialRecord
 from mbtune.search._proposers import (
@@ -42,15 +36,13 @@ from mbtune.search._proposers import (
     OptunaSpace,
     first_guess,
 )
+from mbtune.search._stopping import another_look
 from mbtune.search._study import record_attrs
 
 __all__ = [
     "MbtuneSearcher",
-    "another_look",
     "make_searcher",
-    "one_look_reason",
     "pack_result",
-    "settled",
     "unpack_result",
 ]
 
@@ -78,25 +70,6 @@ def unpack_result(result: dict[str, Any] | None) -> dict[str, Any] | None:
 # what Tune talks to
 
 
-MATERIAL = 0.01
-"""A measured rival whose chance of beating the leader by more than the tolerance is
-below this is not worth another look."""
-
-RIVAL_MATERIAL = 0.02
-"""Before the search stops, the strongest rival (the configuration likeliest to beat the
-leader by more than the tolerance) is looked at where its chance is at least this
-(:func:`strongest_rival`; bench/close_calls.py: a true best measured once on a low draw
-keeps 3-8%; docs/confidence.md)."""
-
-RIVAL_ACROSS = 0.01
-"""At each device count but the leader's, the configuration likeliest to beat it is
-measured before the search stops unless the model gives it less than this: the model
-carries the shape of throughput in m from one device count to another, which a link tier
-breaks (bench/confidence_calibration.py --families fewer: 2 devices measured only at
-m = 8, 43% of the best, and 4 devices at m = 128 recommended at 97 while 2 devices at 128
-was the best; such stops 4 in 100 without this rule, 1 with it; 0.2% made it none, and
-cost the quickstart a trial)."""
-
 MAX_CACHED_PROPOSALS = 200
 """Proposals in a row answered from the cache before the proposer counts as exhausted."""
 
@@ -111,120 +84,6 @@ def nearest(points: Sequence[BatchConfig], to: BatchConfig) -> BatchConfig:
                              if d not in SIZES), c  # fmt: skip
 
     return min(points, key=distance)
-
-
-def one_look_reason(*, max_repeats: int, noise_floor: float) -> str | None:
-    """Why one measurement of the leader is enough to stop on, or None where the leader
-    must be measured twice first (once, at a quiet moment, says too little where trials
-    drift)."""
-    if max_repeats < 2:
-        return "search.max_repeats is 1"
-    if noise_floor <= 0:
-        return "search.noise_floor is 0: trials are taken not to drift"
-    return None
-
-
-def settled(a: Assessment, *, target: int, max_repeats: int, noise_floor: float) -> bool:
-    """Whether a search may stop: on a tie (the search model names one), or on its
-    target: the score reached it, the leader was measured twice (or once where
-    :func:`one_look_reason` says why that is enough); either way once no rival is left to
-    look at (:func:`strongest_rival`)."""
-    if a.tie is None and (a.recommended is None or a.confidence < target):
-        return False
-    once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
-    leader_seen = a.tie is not None or a.looks.get(a.recommended, 0) >= 2 or once
-    return leader_seen and strongest_rival(a, max_repeats=max_repeats) is None
-
-
-def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
-    """The rival to look at before stopping; None where there is none. On the target: the
-    configuration likeliest to beat the leader by more than the tolerance, where its
-    chance is at least ``RIVAL_MATERIAL`` and it was measured less than twice (and may be
-    measured again). On a tie: the same outside the tie, where it was never measured (a
-    tie of 4 devices' micro-batch sizes while 2 devices at large ones was never measured:
-    bench/close_calls.py --landscape fewer-devices). Either way, before those: on each
-    device count but the leader's, the configuration likeliest to beat it, where it was
-    never measured and its chance is at least ``RIVAL_ACROSS``."""
-    members = a.tie.members if a.tie is not None else (a.recommended,)
-    enough = 1 if a.tie is not None else min(2, max_repeats)
-    across = [
-        c
-        for c in _likeliest_at_each_device_count(a)
-        if c not in members and not a.looks.get(c, 0) and a.threat[c] >= RIVAL_ACROSS
-    ]
-    if across:
-        return max(across, key=a.threat.__getitem__)
-    others = {c: t for c, t in a.threat.items() if c not in members}
-    rival = max(others, key=others.__getitem__, default=None)
-    if rival is None or others[rival] < RIVAL_MATERIAL or a.looks.get(rival, 0) >= enough:
-        return None
-    return rival
-
-
-def _likeliest_at_each_device_count(a: Assessment) -> list[BatchConfig]:
-    """At each device count but the leader's, the configuration likeliest to beat it."""
-    if a.recommended is None:
-        return []
-    likeliest: dict[int, BatchConfig] = {}
-    for c, threat in a.threat.items():
-        n = c.num_devices
-        if n != a.recommended.num_devices and (
-            n not in likeliest or threat > a.threat[likeliest[n]]
-        ):
-            likeliest[n] = c
-    return list(likeliest.values())
-
-
-def another_look(
-    a: Assessment,
-    *,
-    target: int,
-    max_repeats: int,
-    noise_floor: float,
-    busy: set[BatchConfig],
-    new_threat: float | None,
-) -> tuple[BatchConfig, str] | None:
-    """The measured configuration worth measuring again, and why; None if none is.
-
-    At the target (or on a tie): the leader, if it was measured once and :func:`settled`
-    wants it measured twice; then the rival :func:`strongest_rival` names, if any (one
-    never measured is measured). Below it: the leader or the rival
-    that most threatens it (the one of the two measured fewer times; the leader on a
-    tie), where that rival's threat is material and larger than ``new_threat``, what a
-    new measurement could settle: the unmeasured configurations' threat taken together
-    (one trial informs its unmeasured neighbours too; docs/confidence.md). None: there
-    is nothing new to measure."""
-    leader = a.recommended
-    if leader is None or max_repeats < 2:
-        return None
-
-    def can(c: BatchConfig) -> bool:
-        return a.looks.get(c, 0) < max_repeats and c not in busy
-
-    if a.confidence >= target or a.tie is not None:
-        once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
-        if can(leader) and a.looks.get(leader, 0) < 2 and not once:
-            return leader, "re-measuring the leader before stopping"
-        rival = strongest_rival(a, max_repeats=max_repeats)
-        if rival is not None and rival not in busy:
-            again = "re-measuring" if a.looks.get(rival, 0) else "measuring"
-            return rival, f"{again} the strongest rival before stopping"
-        return None
-    floor = max(MATERIAL, new_threat or 0.0)
-    rivals = [c for c in a.threat if c != leader and a.looks.get(c, 0) and a.threat[c] >= floor]
-    rivals.sort(key=a.threat.__getitem__, reverse=True)
-    # every material rival (and the leader) measured twice before any is measured a third
-    # time: where they cannot be told apart, that is what calls the tie soonest
-    for limit in (TIE_LOOKS, max_repeats):
-        for rival in rivals:
-            pair = [c for c in (leader, rival) if can(c) and a.looks.get(c, 0) < limit]
-            if pair:  # the one of the two measured fewer times; the leader on a tie
-                pick = min(pair, key=lambda c: a.looks.get(c, 0))
-                return (
-                    pick,
-                    "re-measuring the leader" if pick == leader else "re-measuring a close rival",
-                )
-    return None
 
 
 _SETTINGS = ("inner", "model", "target", "max_repeats", "ledger", "announce", "points", "budget")

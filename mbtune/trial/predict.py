@@ -528,7 +528,8 @@ def _steps_at_peak(
                     synced_step(tracked_loss, module, run, total=total, no_sync=no_sync)
                 else:
                     accumulate_gradients(tracked_loss, module, run, total=total)
-                before_step = _parts(tracker.get_tracker_snapshot("current"))
+                if card:  # what the step begins with: the foreach temporary comes on top
+                    before_step = _parts(tracker.get_tracker_snapshot("current"))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         parts = _parts(tracker.get_tracker_snapshot("peak"))
