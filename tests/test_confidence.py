@@ -180,6 +180,23 @@ def test_repeats_are_pooled_and_a_leader_seen_once_at_a_quiet_moment_is_doubted(
     assert after.confidence < before.confidence
 
 
+def test_the_drift_is_read_wider_the_fewer_repeats_it_rests_on(monkeypatch):
+    from mbtune.recommend import confidence
+
+    # Student's t with the prior's four degrees of freedom and the repeats': twice the
+    # estimate's variance on the prior alone, nearly the estimate after many repeats
+    assert confidence.drift_variance(0.03, 0) == pytest.approx(2 * 0.03**2)
+    assert confidence.drift_variance(0.03, 96) == pytest.approx(0.03**2 * 100 / 98)
+    # a leader 4% ahead of its rival, two looks each: less sure than the estimate alone says
+    points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
+    looks = flat_top({8: (780, 772), 16: (748, 745), 4: (690,), 2: (640,)})
+    widened = assess(points, looks, noise_floor=0.035)
+    monkeypatch.setattr(confidence, "drift_variance", lambda drift, dof: drift**2)
+    at_estimate = assess(points, looks, noise_floor=0.035)
+    assert widened.recommended == at_estimate.recommended == BatchConfig(32, 2, 8)
+    assert widened.confidence < at_estimate.confidence
+
+
 def flat_top(spread: dict[int, tuple[float, ...]]) -> list[Observation]:
     """A busy machine: every micro-batch size on 2 devices within a few percent of the
     others, repeats 5-10% apart; 1 device half as fast."""
@@ -236,7 +253,8 @@ def test_on_a_quiet_machine_a_tie_waits_for_every_look_the_search_may_take():
     a = model.assess(flat_top(twice))
     assert a.contenders is not None and a.tie is None and a.confidence < 90
     thrice = {**twice, 8: (760, 735, 748), 16: (742, 750, 741)}
-    a = model.assess(flat_top(thrice))
+    assert model.assess(flat_top(thrice)).tie is None  # the default allows five looks each
+    a = dataclasses.replace(model, max_repeats=3).assess(flat_top(thrice))
     assert a.tie is not None and {c.micro_batch_size for c in a.tie.members} == {8, 16}
     # max_repeats 2: two looks are all the search may take
     assert dataclasses.replace(model, max_repeats=2).assess(flat_top(twice)).tie is not None

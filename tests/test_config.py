@@ -123,7 +123,7 @@ def test_defaults():
 def test_drift_and_max_repeats_are_read_with_their_defaults(tmp_path):
     table = tmp_path / "t.csv"
     table.write_text("batch_size,num_devices,micro_batch_size,samples_per_s\n32,1,32,10\n")
-    assert (make().trial.drift, make().search.max_repeats) == (0.0, 3)
+    assert (make().trial.drift, make().search.max_repeats) == (0.0, 5)
     exp = make(
         trial={"backend": "replay", "table": str(table), "drift": 0.035},
         search={"max_repeats": 1},

@@ -332,6 +332,24 @@ def test_below_the_target_a_close_rival_is_looked_at_again_where_it_beats_anythi
     assert another_look(tie, **busy, new_threat=None) is None
 
 
+def test_where_the_machine_cannot_tell_two_apart_a_close_pair_gets_two_looks_each():
+    import dataclasses
+
+    from mbtune.search import another_look
+
+    # a busy machine: a third look at the leader or its rival could not tell them apart,
+    # so the search measures something new instead (bench/close_calls.py --landscape busy)
+    twice = assessment(70, {LEADER: 2, RIVAL: 2, OTHER: 1}, {RIVAL: 0.2, OTHER: 0.05})
+    assert another_look(twice, **RULE, new_threat=None)[0] == OTHER
+    busy = dataclasses.replace(twice, resolvable=False)
+    assert another_look(busy, **RULE, new_threat=None)[0] == OTHER
+    seen = dataclasses.replace(busy, looks={LEADER: 2, RIVAL: 2, OTHER: 2})
+    assert another_look(seen, **RULE, new_threat=None) is None
+    # a quiet one: a third look each
+    assert another_look(dataclasses.replace(seen, resolvable=True), **RULE,
+                        new_threat=None)[0] in (LEADER, RIVAL)  # fmt: skip
+
+
 def test_a_repeat_is_a_fresh_trial_numbered_by_its_configuration():
     # a close call on two configurations, a drift prior, and a target never reached: the model
     # sampler measures both, then looks again at the pair, each repeat numbered, until

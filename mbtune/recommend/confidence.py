@@ -13,7 +13,8 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    turned into the variance of the log of each trial's median, plus the run-to-run drift
    one trial cannot see: estimated from the configurations measured more than once (how
    far their repeats disagree beyond their step noise), with ``noise_floor`` as the
-   prior (worth ``DRIFT_PRIOR_DOF`` repeats). Every repeat is an observation of its own.
+   prior (worth ``DRIFT_PRIOR_DOF`` repeats), and widened for how few repeats it rests on
+   (:func:`drift_variance`). Every repeat is an observation of its own.
 3. **A model of the rest** (:mod:`mbtune.recommend.gp`). The log of the objective over
    (m, n, B and the settings of a step, in octaves) is a Gaussian process with a trend
    and a smooth deviation, averaged over its shape hyperparameters.
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from mbtune.config.schema import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.gp import Mixture, Scale, plausible
 from mbtune.runs.record import CONFIG_KEY, TrialRecord
@@ -65,6 +67,7 @@ __all__ = [
     "Tie",
     "assess",
     "between_trial_drift",
+    "drift_variance",
     "observation",
     "relative_step_noise",
     "tie_order",
@@ -98,10 +101,16 @@ the fastest; otherwise every contender is measured as often as ``search.max_repe
 allows."""
 
 TIE_RESOLVES = 2.0
-"""The looks left can tell two configurations apart where the standard error of their
-difference at ``search.max_repeats`` looks each is below this many tolerances (a busy
-machine, 7% between repeats, cannot: bench/close_calls.py --landscape busy; a quiet
-one, 3.5%, can: --landscape close)."""
+"""A machine's spread lets the search tell two configurations apart where the standard
+error of their difference at ``TIE_RESOLVE_LOOKS`` looks each (or ``search.max_repeats``
+where fewer) is below this many tolerances (a busy machine, 7% between repeats, cannot:
+bench/close_calls.py --landscape busy; a quiet one, 3.5%, can: --landscape close)."""
+
+TIE_RESOLVE_LOOKS = 3
+"""The looks each that ``TIE_RESOLVES`` is read at: more looks shrink the error on any
+machine, but on a busy one a close pair measured four or five times each spends the
+quickstart's budget on one comparison (bench/close_calls.py --landscape busy: 20 of 30
+searches within 12 trials when read at five looks, 28 at three)."""
 
 TIE_SPREADS = 2.0
 """A tie's members' estimates lie within this many measured spreads of each other."""
@@ -212,8 +221,10 @@ class Assessment:
     drift_dof: int = 0
     """Degrees of freedom of repeats behind ``drift`` (0: the prior alone)."""
     trial_sd: float = 0.0
-    """One trial's relative spread the model allowed for: the drift with the step noise of
-    a trial's median (their variances pooled over the trials): what a tie is read against."""
+    """One trial's relative spread at the estimated drift, with the step noise of a
+    trial's median (their variances pooled over the trials): what a tie and whether more
+    looks can settle one are read against (the score reads the drift wider:
+    :func:`drift_variance`)."""
     estimate: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
     """Each measured feasible configuration's objective as the model estimates it (the
     posterior mean): what the recommendation and the table of the best rank by."""
@@ -232,6 +243,10 @@ class Assessment:
     """The contenders, where :meth:`SearchModel.assess` found that another look cannot
     tell them apart (then ``recommended`` is the tie's first member and the score its
     own)."""
+    resolvable: bool = True
+    """Whether this machine's spread lets more looks tell two configurations apart by
+    the tolerance (``TIE_RESOLVES``); where not, two looks each (``TIE_LOOKS``) are all a
+    close contender gets."""
 
 
 def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int]:
@@ -279,7 +294,7 @@ def assess(
         return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
     spread, _ = relative_step_noise(ok)
     drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
-    noise_var = np.array([_step_var(spread, o) + drift**2 for o in ok])
+    noise_var = np.array([_step_var(spread, o) + drift_variance(drift, drift_dof) for o in ok])
     scale = Scale(points)
     candidates = sorted(feasible)
     z = scale(candidates)
@@ -335,7 +350,7 @@ def assess(
         unmeasured_threat=unmeasured_threat,
         drift=drift,
         drift_dof=drift_dof,
-        trial_sd=math.sqrt(float(noise_var.mean())),
+        trial_sd=math.sqrt(statistics.fmean(_step_var(spread, o) for o in ok) + drift**2),
         estimate=estimate,
         unmeasured_values=unbounded,
         open_points=open_points,
@@ -453,6 +468,18 @@ def between_trial_drift(
     return math.sqrt((DRIFT_PRIOR_DOF * prior**2 + dof * estimate) / (DRIFT_PRIOR_DOF + dof)), dof
 
 
+def drift_variance(drift: float, dof: int) -> float:
+    """The variance of the drift a trial is read with: the estimate's, widened for how
+    little it rests on. Behind ``drift`` are the prior (``DRIFT_PRIOR_DOF``) and ``dof``
+    degrees of freedom of repeats; with nu their sum, the drift a trial draws is Student's
+    t, whose variance is nu / (nu - 2) times the estimate's: twice it on the prior alone,
+    1.25 times after six repeats. Read at the estimate instead, the score was over-confident
+    just above the target on close calls (a search stops where its estimate happens to be
+    low): bench/close_calls.py --landscape drawn-close, docs/confidence.md."""
+    nu = DRIFT_PRIOR_DOF + dof
+    return drift**2 * nu / (nu - 2)
+
+
 @dataclass(frozen=True)
 class SearchModel:
     """The one model the search proposes with and the reporter scores with: the same
@@ -466,7 +493,7 @@ class SearchModel:
     seed: int = 0
     target: int = 90
     """search.confidence_target: a tie holds the best with at least this probability."""
-    max_repeats: int = 3
+    max_repeats: int = SearchConfig.max_repeats
     sharded: bool = False
     """``trial.sharding: fsdp``: an out of memory bounds fewer devices only."""
 
@@ -486,6 +513,11 @@ class SearchModel:
             sharded=self.sharded,
         )
 
+    def _resolvable(self, a: Assessment) -> bool:
+        """Could the looks the search may take tell two apart by the tolerance?"""
+        looks = max(1, min(TIE_RESOLVE_LOOKS, self.max_repeats))
+        return a.trial_sd * math.sqrt(2 / looks) < TIE_RESOLVES * TOLERANCE
+
     def _tie(self, a: Assessment) -> Tie | None:
         """The contenders, where another look cannot tell them apart at this machine's
         spread (module docstring, 6)."""
@@ -494,11 +526,9 @@ class SearchModel:
             return None
         sd = a.trial_sd
         fastest = max(a.estimate[c] for c in tie.members)
-        # could the looks the search may still take tell two apart by the tolerance?
-        resolvable = sd * math.sqrt(2 / max(1, self.max_repeats)) < TIE_RESOLVES * TOLERANCE
         for c in tie.members:
             close = a.estimate[c] >= fastest * (1 - max(TOLERANCE, sd))
-            looks = TIE_LOOKS if close and not resolvable else max(TIE_LOOKS, self.max_repeats)
+            looks = TIE_LOOKS if close and not a.resolvable else max(TIE_LOOKS, self.max_repeats)
             if a.looks.get(c, 0) < min(looks, self.max_repeats):
                 return None
         return tie if tie.width <= TIE_SPREADS * sd else None
@@ -507,6 +537,7 @@ class SearchModel:
 @functools.lru_cache(maxsize=4)
 def _remembered(model: SearchModel, observations: tuple[Observation, ...]) -> Assessment:
     a = model._score(observations)
+    a = dataclasses.replace(a, resolvable=model._resolvable(a))
     tie = model._tie(a)
     if tie is None:
         return a

@@ -22,6 +22,7 @@ from ray.tune import Callback
 
 from mbtune import progress
 from mbtune.cluster import EXIT_CLUSTER_LOST
+from mbtune.config.schema import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line
@@ -67,7 +68,7 @@ class TrialLog(Callback):
         reporter: Reporter,
         *,
         target: int = 90,
-        max_repeats: int = 3,
+        max_repeats: int = SearchConfig.max_repeats,
     ) -> None:
         self.run, self.echo, self.reporter = run, echo, reporter
         self.target, self.max_repeats = target, max_repeats

@@ -23,6 +23,7 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
+from mbtune.config.schema import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.report import another_look_line
@@ -107,7 +108,7 @@ class MbtuneSearcher(Searcher):
         model: SearchModel,
         *,
         target: int = 90,
-        max_repeats: int = 3,
+        max_repeats: int = SearchConfig.max_repeats,
         start_points: Sequence[BatchConfig] = (),
         ledger: str | None = None,
         announce: Callable[[str], None] | None = None,
@@ -381,7 +382,7 @@ def make_searcher(
     ledger: str | Path | None = None,
     noise_floor: float = 0.0,
     target: int = 90,
-    max_repeats: int = 3,
+    max_repeats: int = SearchConfig.max_repeats,
     announce: Callable[[str], None] | None = None,
     model: SearchModel | None = None,
     budget: int | None = None,

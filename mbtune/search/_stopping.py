@@ -139,7 +139,7 @@ def another_look(
     rivals.sort(key=a.threat.__getitem__, reverse=True)
     # every material rival (and the leader) measured twice before any is measured a third
     # time: where they cannot be told apart, that is what calls the tie soonest
-    for limit in (TIE_LOOKS, max_repeats):
+    for limit in (TIE_LOOKS, max_repeats) if a.resolvable else (TIE_LOOKS,):
         for rival in rivals:
             pair = [c for c in (leader, rival) if can(c) and a.looks.get(c, 0) < limit]
             if pair:  # the one of the two measured fewer times; the leader on a tie
