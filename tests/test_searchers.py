@@ -337,8 +337,9 @@ def test_where_the_machine_cannot_tell_two_apart_a_close_pair_gets_two_looks_eac
 
     from mbtune.search import another_look
 
-    # a busy machine: a third look at the leader or its rival could not tell them apart,
-    # so the search measures something new instead (bench/close_calls.py --landscape busy)
+    # a busy machine: a third look at the leader or its rival could not tell them apart;
+    # once every material rival has two looks, none gets a third and the search measures
+    # something new (bench/close_calls.py --landscape busy)
     twice = assessment(70, {LEADER: 2, RIVAL: 2, OTHER: 1}, {RIVAL: 0.2, OTHER: 0.05})
     assert another_look(twice, **RULE, new_threat=None)[0] == OTHER
     busy = dataclasses.replace(twice, resolvable=False)

@@ -116,8 +116,10 @@ def another_look(
     that most threatens it (the one of the two measured fewer times; the leader on a
     tie), where that rival's threat is material and larger than ``new_threat``, what a
     new measurement could settle: the unmeasured configurations' threat taken together
-    (one trial informs its unmeasured neighbours too; docs/confidence.md). None: there
-    is nothing new to measure."""
+    (one trial informs its unmeasured neighbours too; docs/confidence.md); each up to
+    ``TIE_LOOKS`` looks, then to ``max_repeats`` where this machine's spread lets more
+    looks tell them apart (``Assessment.resolvable``). None: there is nothing new to
+    measure."""
     leader = a.recommended
     if leader is None or max_repeats < 2:
         return None
