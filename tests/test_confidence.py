@@ -273,3 +273,32 @@ def test_a_target_of_100_never_stops_on_a_tie_either():
     assert model.assess(flat_top(twice)).tie is not None
     never = dataclasses.replace(model, target=100).assess(flat_top(twice))
     assert never.tie is None and never.contenders is None
+
+
+def test_two_devices_measured_at_a_small_micro_batch_only_keep_a_chance_at_large_ones(
+    monkeypatch,
+):
+    from mbtune.recommend import gp
+    from mbtune.search import RIVAL_ACROSS
+
+    # a slow link past 2 of 8 devices: a cost per step that weighs more on a faster step,
+    # so 2 devices gain more from a large m than 4 do. 4 devices measured across m, 2 at
+    # m = 8 only, where they are slower than 4 (bench/close_calls.py --landscape
+    # fewer-devices seed 40: 2 devices at m = 64 were the best, 8% above the 4 at m = 32)
+    points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
+    seen = {(8, 8): 6040, (4, 8): 7260, (2, 8): 6860, (1, 8): 3730, (4, 1): 3490,
+            (4, 64): 8610, (4, 32): 9350, (4, 16): 8860, (8, 64): 6620}  # fmt: skip
+    looks = [ok(BatchConfig(512, n, m), v, noise=0.03, steps=5, seed=i)
+             for i, ((n, m), v) in enumerate(seen.items())]  # fmt: skip
+    looks += [ok(BatchConfig(512, 4, 32), 9550, noise=0.03, steps=5, seed=99)]
+    looks += [Observation(BatchConfig(512, n, m), "oom") for n, m in ((1, 512), (2, 256), (4, 128))]
+
+    def two_devices_threat() -> float:
+        a = assess(points, looks, noise_floor=0.035)
+        assert a.recommended == BatchConfig(512, 4, 32)
+        return max(t for c, t in a.threat.items() if c.num_devices == 2)
+
+    # the slope in m may differ from 4 devices to 2: measured before the search stops
+    assert two_devices_threat() >= RIVAL_ACROSS
+    monkeypatch.setattr(gp, "_CROSS_SD", 0.0)  # one slope for every device count
+    assert two_devices_threat() < RIVAL_ACROSS

@@ -395,7 +395,7 @@ class SearchConfig:
     max_repeats: int = number(5)
     """Most times one configuration is measured (1: never measure one again). With five,
     two configurations 3-5% apart on a machine drifting 3.5% are told apart in about 93%
-    of searches; with three, 76%, the rest ending on a tie (docs/confidence.md)."""
+    of searches; with three, about 75%, the rest ending on a tie (docs/confidence.md)."""
     start_points: tuple[BatchConfig, ...] = ()
     """Configurations to measure first, before the sampler proposes."""
     predict_memory: bool = True

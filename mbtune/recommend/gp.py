@@ -5,7 +5,8 @@ it. Over (log2 m, log2 n, log2 B, and each setting of a step as 0 or 1: activati
 checkpointing, and sharded, reshard_after_forward and grad_sync) the log objective per
 device is a constant, a linear trend (throughput scales with devices and grows with m), a
 curvature in n (communication can make fewer devices faster), a curvature in m
-(throughput saturates with the micro-batch) and a smooth Matern-5/2 deviation from them.
+(throughput saturates with the micro-batch), an interaction of the two (a cost per step
+weighs more on a faster step) and a smooth Matern-5/2 deviation from them.
 Its two shape hyperparameters (length scale, amplitude) are not fixed but averaged over a
 grid, each weighted by how well it explains the measurements (Bayesian model averaging):
 with few measurements many shapes remain possible, and the score stays low.
@@ -29,6 +30,7 @@ _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log un
 _TREND_SD = 0.6  # prior sd of the trend's slope per octave (of throughput per device)
 _CURVE_SD = 0.2  # prior sd of the trend's curvature in n, per octave squared (see _kernels)
 _CURVE_M_SD = 0.05  # the same in m: as much as a saturating curve bends (see _kernels)
+_CROSS_SD = 0.05  # the same for the interaction of m and n, per octave of each (see _kernels)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see plausible)
 
@@ -143,7 +145,12 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
     units the square of the octaves of m has a coefficient of at most about 0.06 on
     such a curve (docs/confidence.md). Without this term the deviation had to carry the
     whole bend, its largest amplitude won, and every unmeasured configuration looked
-    uncertain by 30%."""
+    uncertain by 30%. And an interaction of m and n: a cost per step that does not shrink
+    with m (an all-reduce, a slow link past some device count) takes a larger share of a
+    faster step, so the slope in m differs from one device count to another; without it
+    the model carried 4 devices' curve over to 2 devices measured at a small m only, and
+    stopped at 90 on 4 devices where 2 devices at a large m were 8-10% faster
+    (bench/close_calls.py --landscape fewer-devices: 7 such stops in 110, 1 with it)."""
     dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
     base = _trend(a[:, None, :], b[None, :, :])
     for length in _LENGTH_SCALES:
@@ -154,13 +161,15 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
 
 
 def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The prior covariance of the trend (constant, slopes, curvature in n) between the
-    points of ``a`` and ``b``, which broadcast against each other: a matrix from
-    ``a[:, None]`` and ``b[None]``, its diagonal from ``a`` and ``a``."""
+    """The prior covariance of the trend (constant, slopes, curvatures in n and m, the
+    interaction of m and n) between the points of ``a`` and ``b``, which broadcast
+    against each other: a matrix from ``a[:, None]`` and ``b[None]``, its diagonal from
+    ``a`` and ``a``."""
     return (
         _TREND_SD**2 * (a * b).sum(-1)
         + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
         + _CURVE_M_SD**2 * a[..., 0] ** 2 * b[..., 0] ** 2
+        + _CROSS_SD**2 * (a[..., 0] * a[..., 1]) * (b[..., 0] * b[..., 1])
         + _LEVEL_SD**2
     )
 
