@@ -19,10 +19,17 @@ is within 2 % of the best referee value (the product's own definition of right).
 With `--runs N` the README's search runs N times back to back (the grid and the
 referee once, for all of them): does each run reach the target, and is each right?
 
+With `--before REV` it measures trials instead, against older code: the README's search
+from a git worktree of REV (its own experiments/quickstart.yaml, its own mbtune on
+PYTHONPATH) and from this tree, `--runs` times each (default 3), interleaved (before,
+after, before, ...) so that both see the same machine; each run's trials to its end and
+how it ended, and the medians (no grid, no referee). Issue 29's check: at most one trial
+more than the code at its start, `--before ffff2a8^ --runs 4`.
+
 Target: under 3 minutes, confidence 90 reached, and the same recommendation as the
 exhaustive grid: the same configuration, or one the referee finds within 2 % of the best.
 Run: `.venv/bin/python bench/quickstart.py [--runs 3] [--save-landscape]
-[--referee-rounds 5]`.
+[--referee-rounds 5] [--before REV]`.
 """
 
 from __future__ import annotations
@@ -30,13 +37,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from _common import (
     BENCH,
     EXHAUSTIVE_GRID,
+    ROOT,
     cli_trial,
     machine,
     quickstart_run,
@@ -64,13 +75,64 @@ def referee(configs: list[tuple[int, int, int]], rounds: int) -> dict[str, list[
     return speeds
 
 
+def ending(run_dir: Path) -> dict:
+    """A quickstart run's trials to its end and how it ended (its summary.json)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"trials": len(trial_rows(run_dir)), "status": summary.get("status"),
+            "confidence": summary.get("confidence"),
+            "micro_batch_size": summary["recommended"]["micro_batch_size"],
+            "num_devices": summary["recommended"]["num_devices"]}  # fmt: skip
+
+
+def before_after(rev: str, runs: int) -> dict:
+    """The quickstart's trials at ``rev`` (a worktree of it) and in this tree, interleaved."""
+    out: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT,
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            packaged = tree / "mbtune" / "search_spaces"  # as the editable install maps it
+            if (tree / "search_spaces").is_dir() and not packaged.exists():
+                packaged.symlink_to(Path("..") / "search_spaces")
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            for i in range(runs):
+                for label in ("before", "after"):
+                    with tempfile.TemporaryDirectory() as runs_dir:
+                        if label == "before":
+                            subprocess.run([sys.executable, "-m", "mbtune", "run",
+                                            "experiments/quickstart.yaml", "--set",
+                                            f"output_dir={runs_dir}"], cwd=tree, env=env,
+                                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                            (run_dir,) = [p for p in Path(runs_dir).iterdir() if p.is_dir()]
+                        else:
+                            _, run_dir = quickstart_run(runs_dir, quiet=True)
+                        out[label].append(ending(run_dir))
+                        print(f"{label} {i + 1}: {out[label][-1]}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           check=False, capture_output=True)  # fmt: skip
+    return {
+        "rev": rev,
+        **out,
+        "median_trials": {k: statistics.median(r["trials"] for r in v) for k, v in out.items()},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--save-landscape", action="store_true")
     parser.add_argument("--referee-rounds", type=int, default=5)
-    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=None, help="default 1; 3 with --before")
+    parser.add_argument("--before", metavar="REV", help="trials against a git revision")
     args = parser.parse_args()
     info = machine()
+    if args.before:
+        result = before_after(args.before, args.runs or 3)
+        print(json.dumps(result["median_trials"]))
+        save("quickstart_before_after", info, result)
+        return 0
+    args.runs = args.runs or 1
     runs = []
     with tempfile.TemporaryDirectory() as b:
         for _ in range(args.runs):
@@ -105,7 +167,7 @@ def main() -> int:
             "wall_s": wall,
             "trials": trials,
             "choice": key(summary["recommended"]),
-            "confidence": summary["confidence"],
+            "confidence": summary.get("confidence"),
             "status": summary["status"],
             "measured": summary["recommended"].get("measurements"),
             "drift": summary.get("drift"),
