@@ -294,7 +294,8 @@ def assess(
         return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
     spread, _ = relative_step_noise(ok)
     drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
-    noise_var = np.array([_step_var(spread, o) + drift_variance(drift, drift_dof) for o in ok])
+    step_var = np.array([_step_var(spread, o) for o in ok])
+    noise_var = step_var + drift_variance(drift, drift_dof)
     scale = Scale(points)
     candidates = sorted(feasible)
     z = scale(candidates)
@@ -350,7 +351,7 @@ def assess(
         unmeasured_threat=unmeasured_threat,
         drift=drift,
         drift_dof=drift_dof,
-        trial_sd=math.sqrt(statistics.fmean(_step_var(spread, o) for o in ok) + drift**2),
+        trial_sd=math.sqrt(float(step_var.mean()) + drift**2),
         estimate=estimate,
         unmeasured_values=unbounded,
         open_points=open_points,
