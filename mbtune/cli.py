@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _init(args: argparse.Namespace) -> int:
     size = None
     if hf_model_type(args.model) is not None:  # a model whose size the starter cannot know
-        from mbtune.trial.predict import size_starter as size
+        from mbtune.trial.sizing import size_starter as size
     path, sizing = write_starter(
         args.path, model=args.model, device=args.device, mode=args.mode, size=size
     )

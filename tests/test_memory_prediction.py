@@ -19,8 +19,8 @@ from mbtune.trial.predict import (
     CPU_COMPILE_BYTES,
     CPU_PROCESS_BASELINE_BYTES,
     predict_memory,
-    predicted_oom,
 )
+from mbtune.trial.screen import predicted_oom
 
 TINY_GPT = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
             "vocab_size": 64}  # fmt: skip

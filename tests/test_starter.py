@@ -13,6 +13,7 @@ from mbtune.config.model_options import hf_config_key
 from mbtune.config.starter import DEVICES, Sizing, write_starter
 from mbtune.lattice import MODES, BatchConfig
 from mbtune.trial import predict
+from mbtune.trial import sizing as starter_sizing
 
 
 def init(capsys, *argv):
@@ -28,7 +29,7 @@ def test_the_starter_validates_with_what_was_asked(
     capsys, tmp_path, monkeypatch, model, device, mode
 ):
     # an hf: model's sizing (its own test, below) as one that fits one device unsharded
-    monkeypatch.setattr(predict, "size_starter", lambda exp: Sizing(lines=("sized",)))
+    monkeypatch.setattr(starter_sizing, "size_starter", lambda exp: Sizing(lines=("sized",)))
     path = tmp_path / "starter.yaml"
     code, out, err = init(capsys, path, "--model", model, "--device", device, "--mode", mode)
     assert (code, err) == (0, "")
@@ -46,7 +47,7 @@ def test_the_starter_validates_with_what_was_asked(
 
 
 def test_the_starter_is_commented_and_hf_gpt2_is_tiny(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(predict, "size_starter", lambda exp: Sizing())  # sized: below
+    monkeypatch.setattr(starter_sizing, "size_starter", lambda exp: Sizing())  # sized: below
     path = tmp_path / "gpt2.yaml"
     assert init(capsys, path, "--model", "hf:gpt2")[0] == 0
     text = path.read_text()
@@ -154,7 +155,7 @@ def test_every_starter_is_predicted_to_fit_the_memory_it_declares(tmp_path, mode
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
         path, sizing = write_starter(tmp_path / "s.yaml", model=model, device=device,
-                                     size=predict.size_starter)  # fmt: skip
+                                     size=starter_sizing.size_starter)  # fmt: skip
         assert sizing.lines[0].startswith(f"mbtune: {model}: ")
         assert " parameters; " in sizing.lines[0]
         assert sizing.lines[1].startswith(f"mbtune: predicted peak memory of one {device} ")

@@ -5,7 +5,7 @@ keeps its comment; :func:`write_starter` parses what it renders before writing i
 starter is valid by construction. A Hugging Face model's starter names its config's own
 keys (``num_hidden_layers``, ``hidden_size``, ... as its config class calls them): small on
 the CPU, the model type's own defaults on CUDA. Sized by a caller that may predict memory
-(``mbtune init`` passes mbtune.trial.predict.size_starter): where the model's states
+(``mbtune init`` passes mbtune.trial.sizing.size_starter): where the model's states
 exceed one device, the starter shards it (``sharding: fsdp`` over the devices it needs).
 """
 
@@ -209,7 +209,7 @@ def write_starter(
 ) -> tuple[Path, Sizing]:
     """Write the starter experiment to ``path``, which must not exist; return the path and
     how it was sized. ``size``: how its model must be held, from the starter as it is
-    without (mbtune.trial.predict.size_starter); None: one device, unsharded."""
+    without (mbtune.trial.sizing.size_starter); None: one device, unsharded."""
     from mbtune.config.load import parse_experiment
 
     path = Path(path)

@@ -45,7 +45,7 @@ from mbtune.search._signals import graceful_stop
 from mbtune.search._stopping import one_look_reason, settled
 from mbtune.search._study import fail_interrupted, record_attrs
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
-from mbtune.trial.predict import Screening, screen
+from mbtune.trial.screen import Screening, screen
 from mbtune.trial.trial import TrialRequest
 
 __all__ = [
@@ -243,7 +243,7 @@ def predict_out_of_memory(
     exp: Experiment, points: list[BatchConfig], run: RunDir, say: Any
 ) -> list[TrialRecord]:
     """Before the first trial: the configurations predicted not to fit the memory budget
-    (mbtune.trial.predict.screen, in a Ray task: this process never imports torch), each
+    (mbtune.trial.screen.screen, in a Ray task: this process never imports torch), each
     recorded in trials.csv as an ``oom`` whose reason starts with ``predicted:``, without a
     trial; their records. Nothing where ``search.predict_memory`` is false, for replayed
     trials, and where no budget is known (a CPU without ``trial.device_memory``; a CUDA

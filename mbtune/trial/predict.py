@@ -1,7 +1,7 @@
 """Memory before measuring: one device's peak for a configuration, predicted without
-allocating the model and without the device (``mbtune memory``); the configurations of a
-search predicted over its budget (:func:`screen`, run in a Ray task before the first
-trial, mbtune.search); and how ``mbtune init`` holds a starter's model (:func:`size_starter`).
+allocating the model and without the device (``mbtune memory``). The search's boundary of
+configurations predicted over its budget (mbtune.trial.screen) and ``mbtune init``'s sizing
+of a starter (mbtune.trial.sizing) are read from it.
 
 How. The model is built on torch's meta device (no memory, as a sharded trial builds it),
 and rank 0 of the configuration's N devices takes two steps of the trial protocol
@@ -60,13 +60,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from mbtune.config.experiment import Experiment
-from mbtune.config.model_options import one_line
-from mbtune.config.starter import Sizing
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
@@ -77,7 +74,6 @@ from mbtune.trial.measure import (
     rank_micro_batches,
     synced_step,
 )
-from mbtune.trial.memory import Verdict, memory_budget, over_budget, short_reason
 from mbtune.trial.precision import Precision
 from mbtune.trial.sharding import (
     fake_process_group,
@@ -91,12 +87,9 @@ __all__ = [
     "CPU_COMPILE_BYTES",
     "CPU_PROCESS_BASELINE_BYTES",
     "MemoryPrediction",
-    "Screening",
+    "has_cuda",
     "predict_memory",
-    "predicted_oom",
     "prediction_lines",
-    "screen",
-    "size_starter",
 ]
 
 CPU_PROCESS_BASELINE_BYTES = {"simulate": 314 * 2**20, "ddp": 475 * 2**20}
@@ -168,7 +161,7 @@ def predict_memory(exp: Experiment, config: BatchConfig) -> MemoryPrediction:
     measured, predicted on fake tensors: nothing of the model's size is allocated, and the
     device need not be present (see the module's docstring)."""
     tr = exp.trial
-    device = "cuda" if tr.device == "cuda" or (tr.device == "auto" and _has_cuda()) else "cpu"
+    device = "cuda" if tr.device == "cuda" or (tr.device == "auto" and has_cuda()) else "cpu"
     precision = _precision(tr.precision, device)
     spec = build_spec(exp, config, meta=True)  # no memory: the meta device
     config, note = full_batch_if_mixing(spec, config)
@@ -202,241 +195,6 @@ def predict_memory(exp: Experiment, config: BatchConfig) -> MemoryPrediction:
         note=note,
         **parts,
     )
-
-
-def predicted_oom(exp: Experiment, config: BatchConfig) -> Verdict | None:
-    """``("oom", "predicted: ...")`` where ``config``'s predicted peak leaves less than
-    ``trial.memory_headroom`` of ``trial.device_memory`` free (mbtune.trial.memory's rule
-    for a measured peak), so that a search can record it without measuring; None where it
-    fits, or where no budget is given (a card's memory is known only on the card)."""
-    budget = exp.trial.device_memory
-    if budget is None:
-        return None
-    over = over_budget(exp.trial, budget, predict_memory(exp, config).peak_memory_bytes)
-    return None if over is None else ("oom", f"predicted: {over}")
-
-
-@dataclass(frozen=True)
-class Screening:
-    """What predicting a search's configurations found, before its first trial
-    (:func:`screen`): the configurations predicted over the budget, each with its reason."""
-
-    budget: int | None
-    """The memory budget of one device, in bytes (``trial.device_memory``, else a CUDA
-    card's); None: none is known, and nothing was predicted."""
-    over: tuple[tuple[BatchConfig, str], ...] = ()
-    """(configuration, reason) of each one predicted over the budget, less the headroom;
-    the reason starts with ``predicted:`` (mbtune.runs.record.PREDICTED)."""
-    predictions: int = 0
-    """Configurations whose memory was predicted (the others followed from them)."""
-    seconds: float = 0.0
-    failed: str | None = None
-    """Why nothing could be predicted (one line), where the prediction failed."""
-
-
-def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
-    """Predict which of ``configs`` (a search's points) cannot fit the memory budget, as a
-    trial would judge its measured peak (mbtune.trial.memory.over_budget), without
-    predicting each: memory grows with the micro-batch a device runs, and with the batch
-    at the same micro-batch, so for each (n, settings of a step), from the smallest batch
-    up, a search over m from the largest down finds the smallest m predicted over the
-    budget: it and every larger m are over, as is every m at least as large at a larger
-    batch. Runs
-    where torch may be imported (a search's Ray task); never raises for a model that
-    cannot be predicted: ``failed`` says why."""
-    import time
-
-    import torch
-
-    started = time.perf_counter()
-    torch.set_num_threads(exp.cpu_threads)
-    budget = _known_budget(exp)
-    if budget is None:
-        return Screening(None)
-    usable = budget * (1 - exp.trial.headroom(budget))
-    peaks: dict[BatchConfig, int] = {}
-
-    def over(c: BatchConfig) -> bool:
-        if c not in peaks:
-            peaks[c] = predict_memory(exp, c).peak_memory_bytes
-        return peaks[c] > usable
-
-    groups: dict[tuple[Any, ...], dict[int, list[BatchConfig]]] = {}
-    for c in sorted({c.canonical() for c in configs}):
-        groups.setdefault((c.num_devices, *c.settings), {}).setdefault(c.batch_size, []).append(c)
-    found: list[tuple[BatchConfig, str]] = []
-    try:
-        for by_batch in groups.values():
-            bound: BatchConfig | None = None  # the smallest m over, at a smaller batch
-            for batch in sorted(by_batch):
-                ms = sorted(by_batch[batch], key=lambda c: c.micro_batch_size)
-                top = len(ms)
-                if bound is not None:  # at least as large an m as one over: over too
-                    top = next((i for i, c in enumerate(ms)
-                                if c.micro_batch_size >= bound.micro_batch_size), top)  # fmt: skip
-                # from the largest m down, in growing steps (a large m has few micro-batches
-                # to simulate), to one that fits; then halving: ms[:lo] fit, ms[hi:top] over
-                lo, hi, step = 0, top, 1
-                while lo < hi:
-                    i = max(lo, hi - step)
-                    if not over(ms[i]):
-                        lo = i + 1
-                        break
-                    hi, step = i, step * 2
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if over(ms[mid]):
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                for first, over_ms in ((ms[lo] if lo < top else None, ms[lo:top]),
-                                       (bound, ms[top:])):  # fmt: skip
-                    found += [(c, _reason(exp.trial, budget, first, peaks.get(first), c))
-                              for c in over_ms if first is not None]  # fmt: skip
-                bound = ms[lo] if lo < top else bound
-    except Exception as e:  # noqa: BLE001 - a model mbtune cannot predict is measured instead
-        return Screening(budget, failed=short_reason(one_line(e)), predictions=len(peaks),
-                         seconds=time.perf_counter() - started)  # fmt: skip
-    return Screening(budget, tuple(found), len(peaks), time.perf_counter() - started)
-
-
-def _reason(tr: Any, budget: int, first: BatchConfig, peak: int | None, config: BatchConfig) -> str:
-    """``predicted: ...``: the rule a measured peak would break (over_budget's words), for
-    the configuration predicted, or for a larger one, named by the one it follows from."""
-    if config == first and peak is not None:
-        return f"predicted: {over_budget(tr, budget, peak)}"
-    shown = f" ({peak / 2**20:.0f} MiB)" if peak is not None else ""
-    return (
-        f"predicted: more memory than micro_batch_size {first.micro_batch_size} at "
-        f"batch_size {first.batch_size}{shown}, which leaves less than "
-        f"trial.memory_headroom {tr.headroom(budget):g} of the budget "
-        f"{budget / 2**20:.0f} MiB free"
-    )
-
-
-def _known_budget(exp: Experiment) -> int | None:
-    """The budget a trial of ``exp`` must fit in, where it is known here: trial.device_memory,
-    else the memory of the CUDA card this process sees (a CUDA trial's own budget); None
-    on a CPU without trial.device_memory (nothing there says oom but the kernel)."""
-    tr = exp.trial
-    if tr.device_memory is not None:
-        return tr.device_memory
-    if tr.device in ("cuda", "auto") and _has_cuda():
-        import torch
-
-        return memory_budget(torch, torch.device("cuda"), None)
-    return None
-
-
-ASSUMED_CARD_BYTES = 80 * 2**30
-"""The memory a CUDA starter is sized for where no card is at hand (``mbtune init`` on a
-laptop): an 80 GB card (H100, A100 80GB); the starter declares it as trial.device_memory."""
-
-STATE_BYTES_PER_PARAMETER = 16
-"""What a parameter holds in a trial at the least: its fp32 weight (the master copy under
-autocast), its fp32 gradient and AdamW's two fp32 moments. Only to choose the first device
-count to predict: the prediction decides."""
-
-MAX_STARTER_DEVICES = 32
-"""The most devices a starter shards over: its batch_size (32), one sample each."""
-
-
-def size_starter(exp: Experiment) -> Sizing:
-    """How ``mbtune init``'s starter ``exp`` (one device, unsharded) must hold its model:
-    as it is where its smallest configuration (micro_batch_size 1) is predicted to fit
-    one device's memory (trial.device_memory; on CUDA without it, the card here, else
-    :data:`ASSUMED_CARD_BYTES`), else sharded (``fsdp`` over ``parallel: ddp``) over the
-    fewest devices, a power of two, at which it is predicted to fit; what was found, in
-    lines for a person. An error where even :data:`MAX_STARTER_DEVICES` do not suffice."""
-    import dataclasses
-
-    tr, t = exp.trial, exp.train_input
-    cuda = tr.device == "cuda"
-    budget = tr.device_memory or (_card_bytes() if cuda else None) or ASSUMED_CARD_BYTES
-    usable = budget * (1 - tr.headroom(budget))
-    spec = build_spec(exp, BatchConfig(t.batch_size, 1, 1), meta=True)
-    params = sum(p.numel() for p in spec.module.parameters())
-    states = params * STATE_BYTES_PER_PARAMETER
-    n = 1
-    while states / n > usable and n < MAX_STARTER_DEVICES:
-        n *= 2
-    while True:
-        sharded = n > 1
-        trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if sharded else tr
-        inputs = dataclasses.replace(t, num_devices=n)
-        at = dataclasses.replace(exp, trial=trial, train_input=inputs)
-        with _quiet_transformers():
-            p = predict_memory(at, BatchConfig(t.batch_size, n, 1))
-        if p.peak_memory_bytes <= usable:
-            break
-        if n >= MAX_STARTER_DEVICES:
-            raise MbtuneError(
-                f"init: {exp.model.name} ({params:,} parameters) is predicted at "
-                f"{_gib(p.peak_memory_bytes)} per device even sharded over {n} devices at "
-                f"micro_batch_size 1, more than {_gib(usable)} of {_gib(budget)}; make it "
-                "smaller (its config's keys under model:) and write the starter by hand"
-            )
-        n *= 2
-    device = "cuda" if cuda else "cpu"
-    held = (
-        f"more than one {device} device's {_gib(usable)} usable: sharded (sharding: fsdp) over "
-        f"{n} devices"
-        if sharded
-        else f"within one {device} device's {_gib(usable)} usable"
-    )
-    lines = (
-        f"mbtune: {exp.model.name}: {params:,} parameters; weights, gradients and AdamW's "
-        f"states hold at least {_gib(states)}, {held}",
-        f"mbtune: predicted peak memory of one {device} device at micro_batch_size 1 on "
-        f"{_plural(n)}: {_gib(p.peak_memory_bytes)} (of trial.device_memory {_gib(budget)}"
-        f"{'' if tr.device_memory else ', assumed: ' + _budget_source()}); "
-        "`mbtune memory` names its parts",
-    )
-    declared = budget if tr.device_memory is None else None
-    return Sizing(
-        num_devices=n,
-        sharded=sharded,
-        device_memory=declared,
-        peak_memory_bytes=p.peak_memory_bytes,
-        lines=lines,
-    )
-
-
-def _gib(nbytes: float) -> str:
-    """GiB to a tenth, or MiB below one GiB."""
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Without transformers' warnings (its loss's note on every model built from a config):
-    ``mbtune init`` says what it found in its own lines."""
-    import logging
-
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _plural(n: int) -> str:
-    return f"{n} device{'s' if n != 1 else ''}"
-
-
-def _card_bytes() -> int | None:
-    """The memory of the CUDA card this process sees, to the GiB below; None: none."""
-    if not _has_cuda():
-        return None
-    import torch
-
-    return int(torch.cuda.mem_get_info(0)[1]) // 2**30 * 2**30
-
-
-def _budget_source() -> str:
-    return "the card here" if _has_cuda() else "an 80 GB card (H100)"
 
 
 def prediction_lines(p: MemoryPrediction) -> list[str]:
@@ -664,7 +422,8 @@ def _trackers() -> _Trackers:
     return _Trackers(FakeTensorMode, FSDPMemTracker, MemTracker)
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA card here."""
     import torch
 
     return torch.cuda.is_available()
