@@ -98,7 +98,7 @@ def mapped_modules(text: str) -> set[str]:
 
 def test_every_module_is_on_the_design_map():
     """A module nobody can find on the map is a module nobody knows the purpose of; the
-    package itself and its `python -m` entry point are the README's."""
+    package itself and its `python -m` entry point are CONTRIBUTING.md's."""
     mapped = mapped_modules(DESIGN.read_text())
     missing = [
         name.removeprefix("mbtune.")
@@ -108,14 +108,17 @@ def test_every_module_is_on_the_design_map():
     assert not missing, f"modules missing from docs/design.md's module map: {missing}"
 
 
-def test_every_module_is_named_in_the_readme():
-    """The README's "Working on mbtune" names each module (a package's private modules by
-    their own names), for the newcomer who starts there."""
-    section = (ROOT / "README.md").read_text().split("## Working on mbtune", 1)[1]
+def test_every_module_is_named_in_contributing():
+    """CONTRIBUTING.md's "How the package is laid out" names each module (a package's
+    private modules by their own names), for the newcomer who starts there."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("## How the package is laid out", 1)[1]
     prose = re.sub(r"```.*?```", "", section.split("\n## ", 1)[0], flags=re.DOTALL)
     named = set(re.findall(r"`([^`]+)`", prose))
     missing = [m for m in MODULES if m != "mbtune" and m.rpartition(".")[2] not in named]
-    assert not missing, f"modules the README's Working on mbtune does not name: {missing}"
+    assert not missing, (
+        f"modules CONTRIBUTING.md's How the package is laid out does not name: {missing}"
+    )
 
 
 def test_every_module_on_the_design_map_exists():

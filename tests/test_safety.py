@@ -1,4 +1,4 @@
-"""Safety: YAML builds no objects, the dashboard stays on loopback, the README warns that a
+"""Safety: YAML builds no objects, the dashboard stays on loopback, the docs warn that a
 user model's code runs, and no file of a run directory is ever left half-written."""
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def test_a_cluster_keeps_its_own_dashboard_settings(ray_init, monkeypatch):
     assert "include_dashboard" not in ray_init[-1] and "dashboard_host" not in ray_init[-1]
 
 
-# -- the README --------------------------------------------------------------------------
+# -- the docs ----------------------------------------------------------------------------
 
 
-def test_the_readme_says_that_a_user_model_runs_its_code():
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "**Importing a user model runs its code**: only name modules you trust." in readme
-    assert "on someone else's experiment run code of their choosing" in readme
+def test_the_docs_say_that_a_user_model_runs_its_code():
+    page = " ".join((ROOT / "docs" / "trial.md").read_text().split())  # its Models section
+    assert "**Importing a user model runs its code**: only name modules you trust." in page
+    assert "on someone else's experiment run code of their choosing" in page
 
 
 # -- the run directory: never a half-written file ----------------------------------------
