@@ -24,8 +24,15 @@ and each row is compared with the generator's truth for the configuration it pic
 its 90% interval of samples/s hold the truth, and is the pick within 5% of the truly best
 configuration at that count?
 
-Run: ``.venv/bin/python bench/plan_coverage.py [--landscapes 300]`` (about a minute).
-Writes bench/results/plan_coverage.json.
+``--family slow`` draws both tiers' links 5 to 50x slower than the prior's figures
+(log-uniform; latencies as many times longer): a fabric far from the defaults, whose
+collectives the step times show (8 devices barely faster than 4), where the plan must let
+the measurements overrule its prior. ``--measured search`` measures a search's share of
+the space (a third of it, at least one configuration at each count) instead of all of it.
+
+Run: ``.venv/bin/python bench/plan_coverage.py [--landscapes 300] [--seed S] [--family
+prior|slow] [--measured all|search]`` (a minute or two). Writes
+bench/results/plan_coverage[_FAMILY][_MEASURED][_seedS].json and docs/img/plan-coverage*.png.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mbtune.config.load import parse_experiment  # noqa: E402
 from mbtune.lattice import BatchConfig  # noqa: E402
-from mbtune.plan.fit import Link, sync_s  # noqa: E402
 from mbtune.plan.planner import make_plan  # noqa: E402
 from mbtune.runs.record import TrialRecord  # noqa: E402
 
@@ -54,8 +60,10 @@ PLANNED = (64, 256)
 STEPS = 10
 
 
-def landscape(rng: np.random.Generator) -> dict:
+def landscape(rng: np.random.Generator, family: str = "prior") -> dict:
     params = math.exp(rng.uniform(math.log(20e6), math.log(2e9)))
+    # "slow": a fabric 5 to 50x slower than the prior's figures (log-uniform), both tiers
+    slow = math.exp(rng.uniform(math.log(5), math.log(50))) if family == "slow" else 1.0
     per_sample = 6 * params * 512 / (0.4 * 400e12) * math.exp(rng.uniform(-0.7, 0.7))
     return {
         "grad_bytes": int(4 * params),
@@ -64,23 +72,27 @@ def landscape(rng: np.random.Generator) -> dict:
         "p": rng.uniform(0.8, 1.1),
         "max_m": int(rng.choice([8, 16, 32, 64])),
         "batch": int(rng.choice([512, 1024, 2048])),
-        "intra": (370e9 * math.exp(0.3 * rng.standard_normal()),
-                  5e-6 * math.exp(0.3 * rng.standard_normal())),
-        "inter": (45e9 * math.exp(0.3 * rng.standard_normal()),
-                  10e-6 * math.exp(0.3 * rng.standard_normal())),
+        "intra": (370e9 / slow * math.exp(0.3 * rng.standard_normal()),
+                  5e-6 * slow * math.exp(0.3 * rng.standard_normal())),
+        "inter": (45e9 / slow * math.exp(0.3 * rng.standard_normal()),
+                  10e-6 * slow * math.exp(0.3 * rng.standard_normal())),
         "step_sd": rng.uniform(0.01, 0.05),
         "drift": rng.uniform(0.0, 0.04),
     }  # fmt: skip
 
 
 def true_step_s(world: dict, config: BatchConfig) -> float:
+    """The generator's step: the compute, then a ring all-reduce of the gradients over two
+    tiers of 8 devices a node (written out here, apart from the code it checks)."""
     m = config.canonical_micro_batch_size
     compute = config.grad_accum_steps * (world["t0"] + world["t1"] * m ** world["p"])
-    intra = Link(np.array([world["intra"][0]]), np.array([world["intra"][1]]))
-    inter = Link(np.array([world["inter"][0]]), np.array([world["inter"][1]]))
-    g = config.grad_accum_steps
-    return compute + float(sync_s(world["grad_bytes"], config.num_devices, g, "none", 8,
-                                  intra, inter)[0])  # fmt: skip
+    n = config.num_devices
+    if n == 1:
+        return compute
+    (intra_bw, intra_lat), (inter_bw, inter_lat) = world["intra"], world["inter"]
+    bandwidth, latency = (intra_bw, intra_lat) if n <= 8 else (
+        min(intra_bw, 8 * inter_bw), max(intra_lat, inter_lat))
+    return compute + 2 * ((n - 1) / n * world["grad_bytes"] / bandwidth + (n - 1) * latency)
 
 
 def experiment(world: dict, devices: tuple[int, ...]):
@@ -95,9 +107,20 @@ def experiment(world: dict, devices: tuple[int, ...]):
     })  # fmt: skip
 
 
-def measure(world: dict, rng: np.random.Generator) -> list[TrialRecord]:
+def measure(world: dict, rng: np.random.Generator, chosen: np.random.Generator | None = None
+            ) -> list[TrialRecord]:
+    """Every configuration of the space at the measured counts, as a replay answers; with
+    ``chosen``, a search's share of them instead: each a third of the time (drawn from
+    ``chosen``, apart from the measurements' draws), at least one at each device count."""
+    configs = experiment(world, MEASURED).configs()
+    if chosen is not None:
+        keep = chosen.random(len(configs)) < 1 / 3
+        for n in MEASURED:
+            at = [i for i, c in enumerate(configs) if c.num_devices == n]
+            keep[at[int(chosen.integers(len(at)))]] = True
+        configs = [c for c, k in zip(configs, keep, strict=True) if k]
     records = []
-    for i, c in enumerate(experiment(world, MEASURED).configs(), start=1):
+    for i, c in enumerate(configs, start=1):
         if c.canonical_micro_batch_size > world["max_m"]:
             records.append(TrialRecord(trial=i, status="oom", batch_size=c.batch_size,
                                        num_devices=c.num_devices,
@@ -124,13 +147,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--landscapes", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=("prior", "slow"), default="prior",
+                        help="links drawn about the plan's prior, or 5 to 50x slower")
+    parser.add_argument("--measured", choices=("all", "search"), default="all",
+                        help="every configuration at 1-8 devices, or a search's third of them")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     rows = []
     start = time.perf_counter()
     for k in range(args.landscapes):
-        world = landscape(rng)
-        records = measure(world, rng)
+        world = landscape(rng, args.family)
+        chosen = np.random.default_rng([args.seed, k]) if args.measured == "search" else None
+        records = measure(world, rng, chosen)
         plan = make_plan(experiment(world, MEASURED), records, grad_bytes=world["grad_bytes"],
                          seed=k)  # fmt: skip
         for row in plan.rows:
@@ -171,12 +199,16 @@ def main() -> None:
             f"{within:.1%} |"
         )
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "plan_coverage.json"
-    raw = {"landscapes": args.landscapes, "seed": args.seed, "seconds": took,
-           "summary": summary, "rows": rows}  # fmt: skip
+    parts = ((args.family, "prior"), (args.measured, "all"), (f"seed{args.seed}", "seed0"))
+    name = "".join(f"_{part}" for part, default in parts if part != default)
+    out = RESULTS / f"plan_coverage{name}.json"
+    raw = {"landscapes": args.landscapes, "seed": args.seed, "family": args.family,
+           "measured": args.measured, "seconds": took, "summary": summary,
+           "rows": rows}  # fmt: skip
     out.write_text(json.dumps(raw, indent=1))
-    plot(rows, FIGURE)
-    print(f"wrote {out} and {FIGURE}")
+    figure = FIGURE.with_name(f"plan-coverage{name.replace('_', '-')}.png")
+    plot(rows, figure)
+    print(f"wrote {out} and {figure}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -13,7 +13,7 @@ from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.plan.fit import Link, gather_s, sync_s
+from mbtune.comm import Link, step_traffic, two_tier_s
 from mbtune.plan.planner import Interval, make_plan, plan_run
 from mbtune.runs.rundir import read_trials
 
@@ -35,7 +35,8 @@ def truth_step_s(config, per_node=8):
     intra = Link(np.array([INTRA[0]]), np.array([INTRA[1]]))
     inter = Link(np.array([INTER[0]]), np.array([INTER[1]]))
     g = config.grad_accum_steps
-    sync = sync_s(GRAD_BYTES, config.num_devices, g, "none", per_node, intra, inter)
+    traffic = step_traffic(config, grad_bytes=GRAD_BYTES)
+    sync = two_tier_s(traffic, config.num_devices, per_node, intra, inter)
     return g * truth_compute_s(config.canonical_micro_batch_size) + float(sync[0])
 
 
@@ -81,22 +82,6 @@ def plan_of(run, *overrides, draws=200):
 
 
 # -- the model -----------------------------------------------------------------
-
-
-def test_the_ring_factors_and_the_two_tiers():
-    one = Link(np.array([100.0]), np.array([1.0]))
-    slow = Link(np.array([10.0]), np.array([3.0]))
-    # within a node: (n - 1) / n of the bytes, n - 1 hops
-    assert gather_s(400, 4, 8, one, slow)[0] == pytest.approx(3 / 4 * 4 + 3)
-    # an all-reduce is two of them: 2 (n - 1) / n S / bw + 2 (n - 1) latency
-    assert sync_s(400, 4, 1, "none", 8, one, slow)[0] == pytest.approx(2 * (3 / 4 * 4 + 3))
-    # 16 devices in nodes of 4: the ring at the slower of 100 and 4 x 10, 3 per hop
-    assert gather_s(400, 16, 4, one, slow)[0] == pytest.approx(15 / 16 * 400 / 40 + 15 * 3.0)
-    fast_nics = Link(np.array([1000.0]), np.array([3.0]))  # 4 x 1000 > 100: NVLink's pace
-    assert gather_s(400, 16, 4, one, fast_nics)[0] == pytest.approx(15 / 16 * 4 + 15 * 3.0)
-    # fsdp: an all-gather in each pass of each of g micro-batches, one reduce-scatter
-    assert sync_s(400, 4, 3, "fsdp", 8, one, slow)[0] == pytest.approx(7 * (3 / 4 * 4 + 3))
-    assert sync_s(400, 1, 3, "none", 8, one, slow)[0] == 0
 
 
 def test_the_fit_recovers_the_generator_at_the_sizes_it_never_measured(tmp_path):

@@ -4,48 +4,63 @@ run's trials, with its uncertainty as draws.
 A data-parallel step is the compute of the busiest device's micro-batches and then the
 collectives of its gradients::
 
-    t_step(B, n, m) = g x c(m) + t_sync(n)
+    t_step(B, n, m) = g x c(m) + T(config) . (1 / bandwidth, latency)
 
-``c(m)`` (seconds per micro-batch of m samples, for each activation checkpointing setting)
-is the device's own: it does not depend on n, so the trials measure it at any n. ``t_sync``
-is the ring's: an all-reduce moves 2 (n - 1) / n of the gradient's bytes over each link
-with 2 (n - 1) hops of latency, an all-gather or a reduce-scatter half of that; beyond
-one node the ring runs at the slower of the intra-node bandwidth and a node's k devices'
-own links together (k x the inter-node bandwidth), with the inter-node latency per hop.
-Where the run measured its collectives at two or more device counts within a node (a
-``ddp`` run's timing, or a replay's step times) the intra-node link is fitted to them and
-combined with the plan's prior; otherwise it is the prior alone. The link
-between nodes is always the prior: no run of mbtune crosses one.
+``c(m)`` (seconds per micro-batch of m samples, for each setting of the step: activation
+checkpointing, and with fsdp ``reshard_after_forward`` and ``grad_sync``) is the device's
+own: it does not depend on n, so the trials measure it at any n. ``T`` is the step's
+collectives as the ring runs them (mbtune.comm: the bytes a device sends and the hops it
+waits, the same model the simulated trial uses), and the link turns them into seconds;
+beyond a node the ring runs at the slower of the two tiers (:func:`mbtune.comm.two_tier_s`).
+
+The intra-node link is fitted to what the run measured, in one least-squares fit with the
+compute: the step times that hold their collectives (a replay's, whose throughput shows
+them), and the collectives a ``ddp`` run timed. Since T is linear in the link's seconds
+per byte and per hop, the step times across device counts show the link's cost wherever
+one micro-batch size was measured at two counts (one device counts: it moves nothing).
+Where the run cannot tell bandwidth from latency (one device count above 1), the latency
+is the prior's and the bandwidth is fitted; where it cannot see the link at all, the link
+is the prior (plan.intra_node). A fitted link is then combined with its prior, which
+yields where the measurements contradict it (:func:`_with_prior`); and past the device counts
+measured, a step's collectives never cost less than the fitted link alone says: a plan
+never scales better than the measurements below it imply. The link between nodes is always
+the prior: no run of mbtune crosses one.
 
 The uncertainty is a parametric bootstrap: each draw perturbs every measured step time by
-its own noise (its step times' spread and the run's drift between trials), refits ``c`` and
-the link, and draws the prior links from their ``uncertainty``; draw 0 is the fit to the
-measurements as they are, with the prior at its median. Pure: numpy and scipy only.
+its own noise (its step times' spread and the run's drift between trials, both estimated as
+the search's model estimates them: mbtune.recommend.confidence), refits ``c`` and the link,
+and draws the prior links from their ``uncertainty``; draw 0 is the fit to the measurements
+as they are, with the prior at its median. Pure: numpy and scipy only.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
 
+from mbtune.comm import Link, Traffic, all_reduce, step_traffic, two_tier_s
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.recommend.confidence import (
+    Observation,
+    between_trial_drift,
+    drift_variance,
+    relative_step_noise,
+    step_variance,
+)
 from mbtune.runs.record import TrialRecord
 
 __all__ = [
     "DRAWS",
-    "Link",
+    "PRIOR_HOLDS",
     "Measurement",
     "StepModel",
     "fit_step_model",
-    "gather_s",
     "measurements",
-    "sync_s",
 ]
 
 DRAWS = 1000
@@ -54,42 +69,13 @@ interval's width (an sd) from one seed to another (three generated landscapes at
 devices, bench/plan_coverage.py's, ten seeds each)."""
 _IQR_TO_SD = 1.349
 """The interquartile range of a normal distribution, in sds."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One tier's link: bytes/s and seconds per hop, each an array over the draws."""
-
-    bandwidth: np.ndarray
-    latency_s: np.ndarray
-
-
-def gather_s(nbytes: float, n: int, per_node: int, intra: Link, inter: Link) -> np.ndarray:
-    """One ring all-gather (or reduce-scatter) of ``nbytes`` over n devices, two tiers.
-
-    Within a node: n - 1 steps, each moving nbytes / n over the intra-node link. Across N
-    nodes of k devices, the ring's steps stream through both tiers at once (NCCL pipelines
-    them), so the slower one sets the pace: a node's k devices leave it each on its own
-    link, k x the inter-node bandwidth, which is what nccl-tests' bus bandwidth across
-    nodes shows; and every step waits on a node crossing's latency.
-    """
-    if n <= per_node:
-        return (n - 1) / n * nbytes / intra.bandwidth + (n - 1) * intra.latency_s
-    bus = np.minimum(intra.bandwidth, per_node * inter.bandwidth)
-    return (n - 1) / n * nbytes / bus + (n - 1) * inter.latency_s
-
-
-def sync_s(
-    grad_bytes: float, n: int, g: int, sharding: str, per_node: int, intra: Link, inter: Link
-) -> np.ndarray:
-    """One step's collectives: an all-reduce of the gradients (a reduce-scatter then an
-    all-gather); with ``sharding: fsdp``, FSDP2's all-gather of the parameters in the
-    forward and the backward pass of each of the g micro-batches and one reduce-scatter
-    of the gradients."""
-    if n <= 1:
-        return np.zeros_like(intra.bandwidth)
-    once = gather_s(grad_bytes, n, per_node, intra, inter)
-    return (2 * g + 1) * once if sharding == "fsdp" else 2 * once
+PRIOR_HOLDS = 0.9
+"""How likely a cluster's link is near the prior's figures (within its ``uncertainty``)
+before the run says anything; otherwise it may be anything (:data:`_ANYTHING_SD`). A fitted
+link far outside the prior's spread is then read as that other case, and the prior yields
+to the measurements (:func:`_with_prior`)."""
+_ANYTHING_SD = 2.0
+"""The sd of the log of a link that is not near the prior: 7x either way at one sd."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,25 +83,32 @@ class Measurement:
     """What one measured trial says about the step model."""
 
     config: BatchConfig
+    """The configuration measured (its canonical micro-batch; every setting)."""
     step_s: float
     """The step's median time (B / samples_per_s)."""
     sync_s: float | None
     """The step's collectives where the trial says them apart (trials.csv's comm_time_ms:
-    modelled with ``simulate``, timed with ``ddp``; 0 on one device); None where they are
-    folded into the step time (a replayed table's throughput), for the fit to find."""
+    modelled with ``simulate``, timed with ``ddp``; 0 on one device), taken off the step
+    time before the fit; None where they are folded into the step time (a replayed table's
+    throughput), for the fit to find."""
+    timed: Traffic | None
+    """The collectives a ``ddp`` trial timed (one all-reduce of the gradients); None where
+    none were timed."""
+    timed_s: float | None
+    """Their time (``sync_s`` is it scaled to the step's collectives)."""
     rel_sd: float
-    """The relative sd of ``step_s``: the median's own (its step times' IQR) and the drift
-    between trials, together."""
-    sharding: str
-    parallel: str
+    """The relative sd of ``step_s``: its step times' noise and the drift between trials,
+    together, as the search's model reads them."""
 
 
-def measurements(records: Sequence[TrialRecord], drift: float) -> list[Measurement]:
+def measurements(
+    records: Sequence[TrialRecord], noise_floor: float, grad_bytes: int, sharding: str
+) -> list[Measurement]:
     """The measured trials (status ok, with a throughput) as the fit reads them.
 
-    ``drift`` is the relative sd between trials of one configuration that a trial's own
-    step times cannot show (the experiment's noise floor); the run's repeats refine it,
-    the prior counting as two of them (as the search's model does).
+    The noise of each is the search model's (mbtune.recommend.confidence): the run's
+    pooled step noise over the trial's step times, and the drift between trials of one
+    configuration, ``noise_floor`` pooled with the run's repeats and read as Student's t.
     """
     ok = [r for r in records if r.status == "ok" and r.samples_per_s and r.samples_per_s > 0]
     staged = [r for r in ok if (r.pipeline_stages or 1) > 1]
@@ -124,93 +117,93 @@ def measurements(records: Sequence[TrialRecord], drift: float) -> list[Measureme
             f"plan: the run was pipelined (pipeline_stages {staged[0].pipeline_stages}); the "
             "plan models data parallelism alone: plan a run measured with pipeline_stages: 1"
         )
-    drift = _pooled_drift(ok, drift)
+    # as the search's model sees them, read by throughput (its objective may be per device)
+    seen = [Observation(r.config.canonical(), "ok", r.samples_per_s, r.step_times_ms) for r in ok]
+    spread, _ = relative_step_noise(seen)
+    drift, dof = between_trial_drift(seen, spread, prior=noise_floor)
+    drift_var = drift_variance(drift, dof)
     out = []
-    for r in ok:
-        config = BatchConfig(r.batch_size, r.num_devices, r.micro_batch_size,
-                             r.activation_checkpointing)  # fmt: skip
-        step_s = r.batch_size / r.samples_per_s
-        comm: float | None = None
+    for r, o in zip(ok, seen, strict=True):
+        config = r.config.canonical()
+        comm = timed_s = timed = None
         if r.num_devices == 1:
             comm = 0.0
         elif r.comm_time_ms is not None and r.backend != "replay":  # a replay's is folded in
             comm = r.comm_time_ms / 1e3
-            if r.sharding == "fsdp" and r.parallel == "ddp":  # timed: one all-gather and
-                comm *= (2 * (r.grad_accum_steps or 1) + 1) / 2  # one reduce-scatter; a step
-                # has 2g + 1 (sync_s); simulate's is the step's own, modelled
-        own = 0.0
-        if r.step_time_ms_iqr and r.step_time_ms_median and len(r.step_times_ms) > 1:
-            own = r.step_time_ms_iqr / _IQR_TO_SD / r.step_time_ms_median
-            own /= math.sqrt(len(r.step_times_ms))  # the median's: about 1.25 x the mean's
-            own *= 1.25
+            if r.parallel == "ddp":  # timed: one all-reduce of the gradients' bytes
+                timed, timed_s = all_reduce(grad_bytes, r.num_devices), comm
+                step = step_traffic(config, grad_bytes=grad_bytes, sharding=sharding)
+                comm *= step.volume / timed.volume  # a step's own: fsdp's 2g + 1 gathers
+        own = step_variance(spread, o) if len(r.step_times_ms) > 1 else 0.0
         out.append(
             Measurement(
                 config=config,
-                step_s=step_s,
+                step_s=r.batch_size / r.samples_per_s,
                 sync_s=comm,
-                rel_sd=math.hypot(own, drift),
-                sharding=r.sharding or "none",
-                parallel=r.parallel or "simulate",
+                timed=timed,
+                timed_s=timed_s,
+                rel_sd=math.sqrt(own + drift_var),
             )
         )
     return out
-
-
-def _pooled_drift(records: Sequence[TrialRecord], prior: float) -> float:
-    """The drift between repeats of one configuration: the prior as two observations,
-    pooled with the run's repeats (log throughput, sd about each configuration's mean)."""
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for r in records:
-        key = (r.batch_size, r.num_devices, r.micro_batch_size, r.activation_checkpointing)
-        groups[key].append(math.log(r.samples_per_s))  # type: ignore[arg-type]
-    squares, dof = 2 * prior**2, 2.0
-    for values in groups.values():
-        if len(values) > 1:
-            mean = sum(values) / len(values)
-            squares += sum((v - mean) ** 2 for v in values)
-            dof += len(values) - 1
-    return math.sqrt(squares / dof)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepModel:
     """The fitted step time, as draws (index 0: the point estimate)."""
 
-    compute: dict[bool, tuple[np.ndarray, np.ndarray]]
-    """For each activation checkpointing setting: the measured micro-batch sizes and the
-    seconds per micro-batch at each, an array (sizes x draws)."""
+    compute: dict[tuple, tuple[np.ndarray, np.ndarray]]
+    """For each setting of the step (:attr:`BatchConfig.settings`): the measured
+    micro-batch sizes and the seconds per micro-batch at each, an array (sizes x draws)."""
     intra: Link
+    """The intra-node link, the fit combined with the prior (arrays over the draws)."""
+    measured: Link | None
+    """The intra-node link the measurements alone say, where they say it: past the
+    measured device counts no step's collectives cost less than with it."""
     inter: Link
     per_node: int
     grad_bytes: int
     sharding: str
-    fitted_link: bool
-    """True: the intra-node link was fitted to measured collectives."""
     link_basis: str
     """What the link rests on, in words (the plan says it)."""
-    measured_sync: dict[int, np.ndarray]
-    """The collectives of a step the run measured at each of its device counts above 1
-    (ddp's timing, or what a replay's step times say): the plan uses them at those counts."""
-    largest_micro_batch: dict[bool, int]
+    folded_sync: dict[int, np.ndarray]
+    """The collectives of a step at each measured device count beyond a node, as a
+    replay's step times say them (no link is fitted there): used at those counts."""
+    largest_micro_batch: dict[tuple, int]
     """The largest micro-batch that ran, per setting: the plan goes no higher (memory)."""
     device_counts: tuple[int, ...]
     """The device counts the run measured."""
 
+    @property
+    def fitted_link(self) -> bool:
+        """True: the intra-node link was fitted to the run's measurements."""
+        return self.measured is not None
+
     def step_s(self, config: BatchConfig) -> np.ndarray:
         """The step time of ``config`` in each draw (seconds)."""
         g = config.grad_accum_steps
-        compute = g * self.micro_batch_s(config.canonical_micro_batch_size,
-                                         config.activation_checkpointing)  # fmt: skip
-        sync = self.measured_sync.get(config.num_devices)
-        if sync is None:
-            sync = sync_s(self.grad_bytes, config.num_devices, g, self.sharding, self.per_node,
-                          self.intra, self.inter)  # fmt: skip
-        return compute + sync
+        compute = g * self.micro_batch_s(config.canonical_micro_batch_size, config.settings)
+        return compute + self.sync_s(config)
 
-    def micro_batch_s(self, m: int, checkpointing: bool) -> np.ndarray:
+    def sync_s(self, config: BatchConfig) -> np.ndarray:
+        """The step's collectives in each draw (seconds)."""
+        n = config.num_devices
+        if n in self.folded_sync:
+            return self.folded_sync[n]
+        traffic = step_traffic(config, grad_bytes=self.grad_bytes, sharding=self.sharding)
+        sync = two_tier_s(traffic, n, self.per_node, self.intra, self.inter)
+        if self.measured is not None and n > max(self.device_counts):
+            # never cheaper than the bytes cost over the link the measurements say (their
+            # latency is too unsure to floor with: a few counts barely show it)
+            data_floor = Traffic(traffic.volume) * 1.0
+            sync = np.maximum(sync, two_tier_s(data_floor, n, self.per_node, self.measured,
+                                               self.inter))  # fmt: skip
+        return sync * np.ones_like(self.intra.bandwidth)
+
+    def micro_batch_s(self, m: int, settings: tuple) -> np.ndarray:
         """Seconds per micro-batch of m: measured, linear between the sizes measured, and
         outside them the affine fit (a fixed cost per pass plus a cost per sample)."""
-        sizes, times = self.compute[checkpointing]
+        sizes, times = self.compute[settings]
         hit = np.flatnonzero(sizes == m)
         if hit.size:
             return times[hit[0]]
@@ -230,11 +223,11 @@ class StepModel:
         return np.where(fitted > 0, fitted, nearest)
 
     def feasible(self, config: BatchConfig) -> bool:
-        """Measured activation checkpointing, and a micro-batch no larger than one that ran."""
-        ckpt = config.activation_checkpointing
+        """Measured settings, and a micro-batch no larger than one that ran with them."""
+        settings = config.settings
         return (
-            ckpt in self.compute
-            and config.canonical_micro_batch_size <= (self.largest_micro_batch[ckpt])
+            settings in self.compute
+            and config.canonical_micro_batch_size <= self.largest_micro_batch[settings]
         )
 
 
@@ -242,6 +235,7 @@ def fit_step_model(
     found: Sequence[Measurement],
     *,
     grad_bytes: int,
+    sharding: str = "none",
     per_node: int,
     intra_prior: tuple[float, float, float],
     inter_prior: tuple[float, float, float],
@@ -256,81 +250,175 @@ def fit_step_model(
     noise = rng.standard_normal((len(found), draws + 1))
     noise[:, 0] = 0.0
     factor = np.exp(noise * np.array([f.rel_sd for f in found])[:, None])  # per trial, per draw
-    steps = np.array([f.step_s for f in found])[:, None] * factor
-    compute, folded = _fit_compute(found, steps)
-
-    counts = tuple(sorted({f.config.num_devices for f in found}))
-    sharding = "fsdp" if any(f.sharding == "fsdp" for f in found) else "none"
-    # the collectives measured at each device count above 1: a ddp run's timed ones, a
-    # replay's found by the fit; a simulated run's were modelled, and say nothing
-    measured: dict[int, np.ndarray] = dict(folded)
-    for n in counts:
-        timed = [
-            i
-            for i, f in enumerate(found)
-            if f.config.num_devices == n > 1 and f.parallel == "ddp" and f.sync_s is not None
-        ]
-        if timed and n not in measured:
-            measured[n] = np.mean([found[i].sync_s * factor[i] for i in timed], axis=0)
     intra = _prior(intra_prior, rng, draws)
     inter = _prior(inter_prior, rng, draws)
-    fitted, basis = _fit_link(found, measured, grad_bytes, per_node, counts, sharding)
-    if fitted is not None:
-        intra = Link(
-            _combine(fitted.bandwidth, intra_prior[0], intra_prior[2], rng),
-            _combine(fitted.latency_s, intra_prior[1], intra_prior[2], rng),
-        )
+    counts = tuple(sorted({f.config.num_devices for f in found}))
+    fit = _fit(found, factor, grad_bytes, sharding, per_node, intra.latency_s)
+    measured, basis = None, _why_not_fitted(found, counts, per_node, grad_bytes, fit.link)
+    if fit.link is not None:
+        measured = fit.link
+        intra, held = _with_prior(fit, intra, intra_prior, grad_bytes, sharding, rng)
+        basis = _fitted_basis(fit.link_counts, held, fit.latency_fitted)
     return StepModel(
-        compute={ckpt: (sizes, times) for ckpt, (sizes, times) in compute.items()},
+        compute=fit.compute,
         intra=intra,
+        measured=measured,
         inter=inter,
         per_node=per_node,
         grad_bytes=grad_bytes,
         sharding=sharding,
-        fitted_link=fitted is not None,
         link_basis=basis,
-        measured_sync={} if sharding == "fsdp" else measured,
-        largest_micro_batch={ckpt: int(sizes[-1]) for ckpt, (sizes, _) in compute.items()},
+        folded_sync=fit.folded,
+        largest_micro_batch={key: int(sizes[-1]) for key, (sizes, _) in fit.compute.items()},
         device_counts=counts,
     )
 
 
-def _fit_compute(
-    found: Sequence[Measurement], steps: np.ndarray
-) -> tuple[dict[bool, tuple[np.ndarray, np.ndarray]], dict[int, np.ndarray]]:
-    """Seconds per micro-batch at each measured (m, checkpointing), and the collectives
-    at each device count whose trials folded them into their step time, per draw.
+@dataclass(frozen=True)
+class _Fitted:
+    compute: dict[tuple, tuple[np.ndarray, np.ndarray]]
+    link: Link | None
+    """The intra-node link the measurements say, per draw; None where they cannot."""
+    latency_fitted: bool
+    """False: the measurements could not tell latency from bandwidth; it is the prior's."""
+    link_counts: tuple[int, ...]
+    """The device counts above 1 whose measurements the link rests on."""
+    folded: dict[int, np.ndarray]
 
-    One least-squares fit, relative to each step time: t = g x c(m) where the trial said
-    its collectives apart (they are taken off first), t = g x c(m) + s(n) where it did
-    not (a replay). Where c and s cannot be told apart (no micro-batch size measured at
-    two device counts), s is folded into c.
-    """
-    groups = sorted({(f.config.activation_checkpointing, f.config.canonical_micro_batch_size)
-                     for f in found})  # fmt: skip
+
+def _fit(
+    found: Sequence[Measurement],
+    factor: np.ndarray,
+    grad_bytes: int,
+    sharding: str,
+    per_node: int,
+    prior_latency: np.ndarray,
+) -> _Fitted:
+    """One non-negative least-squares fit per draw, relative to each measured time: the
+    seconds per micro-batch at each measured (settings, m), the intra-node link's seconds
+    per byte and per hop, and the collectives of each device count beyond a node whose
+    step times folded them in.
+
+    Rows: a step time, t = g x c(m) + [T . (1 / bandwidth, latency) where the trial folded
+    its collectives in (a replay) within a node; + s(n) beyond one; nothing where it said
+    them apart, which is taken off first]; and a ddp trial's timed collectives, t = T .
+    (1 / bandwidth, latency). Columns the measurements cannot tell apart are dropped in
+    turn: the latency (then the prior's), the link (then the prior), the folded s(n)
+    (then folded into c, as they cannot be told from the compute)."""
+    groups = sorted({(f.config.settings, f.config.canonical_micro_batch_size) for f in found})
     col = {key: j for j, key in enumerate(groups)}
-    unknown = sorted({f.config.num_devices for f in found if f.sync_s is None})
-    a = np.zeros((len(found), len(groups) + len(unknown)))
-    b = steps.copy()
+    beyond = sorted({f.config.num_devices for f in found
+                     if f.sync_s is None and f.config.num_devices > per_node})  # fmt: skip
+    timed = [i for i, f in enumerate(found) if f.timed is not None and f.timed_s]
+    k, rows = len(groups), len(found) + len(timed)
+    a = np.zeros((rows, k + 2 + len(beyond)))  # compute | seconds a byte, a hop | s(n)
+    steps = np.array([f.step_s for f in found])[:, None] * factor
+    b = np.zeros((rows, factor.shape[1]))
+    scale = np.zeros(rows)
+    link_counts = set()
     for i, f in enumerate(found):
         c = f.config
-        a[i, col[c.activation_checkpointing, c.canonical_micro_batch_size]] = c.grad_accum_steps
-        if f.sync_s is None:
-            a[i, len(groups) + unknown.index(c.num_devices)] = 1.0
-        else:
+        a[i, col[c.settings, c.canonical_micro_batch_size]] = c.grad_accum_steps
+        b[i] = steps[i]
+        scale[i] = f.step_s
+        if f.sync_s is not None:
             b[i] -= f.sync_s
-    weight = 1.0 / np.array([f.step_s for f in found])[:, None]
-    if unknown and np.linalg.matrix_rank(a) < a.shape[1]:
-        a, unknown = a[:, : len(groups)], []  # s(n) and c(m) confounded: fold s into c
-    solution = np.linalg.lstsq(a * weight, b * weight, rcond=None)[0]
+        elif c.num_devices > per_node:
+            a[i, k + 2 + beyond.index(c.num_devices)] = 1.0
+        elif c.num_devices > 1:
+            traffic = step_traffic(c, grad_bytes=grad_bytes, sharding=sharding)
+            a[i, k : k + 2] = traffic.volume, traffic.hops
+            link_counts.add(c.num_devices)
+    for row, i in enumerate(timed, start=len(found)):
+        f = found[i]
+        a[row, k : k + 2] = f.timed.volume, f.timed.hops  # type: ignore[union-attr]
+        b[row] = f.timed_s * factor[i]
+        scale[row] = f.timed_s
+        link_counts.add(f.config.num_devices)
+    keep = list(range(a.shape[1]))
+    latency_fitted = True
+    if np.linalg.matrix_rank(a[:, keep]) < len(keep):
+        keep.remove(k + 1)  # latency from the prior: b -= hops x latency, per draw
+        latency_fitted = False
+        if np.linalg.matrix_rank(a[:, keep]) < len(keep) or not a[:, k].any():
+            keep.remove(k)  # no link to see
+        if np.linalg.matrix_rank(a[:, keep]) < len(keep):
+            keep = list(range(k))  # s(n) and c(m) confounded: fold s into c
+    link = k in keep
+    if not latency_fitted:
+        b = b - a[:, k + 1 : k + 2] * prior_latency[None, :] * link
+    weight = 1.0 / np.maximum(scale, 1e-12)[:, None]
+    design = a[:, keep] * weight
+    norm = np.abs(design).max(axis=0)
+    norm[norm == 0] = 1.0
+    solution = np.empty((len(keep), b.shape[1]))
+    for d in range(b.shape[1]):
+        solution[:, d] = nnls(design / norm, b[:, d] * weight[:, 0])[0] / norm
+    at = {column: solution[j] for j, column in enumerate(keep)}
     floor = 1e-3 * float(np.min([f.step_s / f.config.grad_accum_steps for f in found]))
-    compute: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
-    for ckpt in sorted({k for k, _ in groups}):
-        js = [j for j, (k, _) in enumerate(groups) if k == ckpt]
+    compute: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for settings in sorted({s for s, _ in groups}):
+        js = [j for j, (s, _) in enumerate(groups) if s == settings]  # sorted by size
         sizes = np.array([groups[j][1] for j in js])
-        compute[ckpt] = (sizes, np.maximum(solution[js], floor))
-    folded = {n: np.maximum(solution[len(groups) + k], 0.0) for k, n in enumerate(unknown)}
-    return compute, folded
+        compute[settings] = (sizes, np.maximum(np.array([at[j] for j in js]), floor))
+    fitted = None
+    if link:
+        per_byte = np.maximum(at[k], 1e-15)
+        fitted = Link(1.0 / per_byte, at[k + 1] if latency_fitted else prior_latency)
+    folded = {n: np.maximum(at[k + 2 + j], 0.0) for j, n in enumerate(beyond) if k + 2 + j in at}
+    return _Fitted(compute, fitted, latency_fitted and link, tuple(sorted(link_counts)), folded)
+
+
+def _with_prior(
+    fit: _Fitted,
+    prior: Link,
+    figures: tuple[float, float, float],
+    grad_bytes: int,
+    sharding: str,
+    rng: np.random.Generator,
+) -> tuple[Link, float]:
+    """The fitted intra-node link with its prior, and the weight the prior kept.
+
+    Whether the prior holds is read where the measurements are surest: the collectives of
+    a step at the largest device count whose link they show, the fit's against the
+    prior's, in logs (bandwidth and latency alone can be far less sure than their sum: a
+    few device counts barely tell them apart). The prior is a mixture: with
+    :data:`PRIOR_HOLDS` the link is near its figures (the draws' own spread), otherwise
+    anything (:data:`_ANYTHING_SD`); each explains the fit's collectives by the chance of
+    that gap. Where the prior holds, each figure is the fit's and the prior's combined by
+    their precisions (:func:`_combine`); where it does not, the fit's draws stand as they
+    are. Each draw takes one case by its weight; draw 0, the likelier."""
+    n = max(fit.link_counts)
+    config = BatchConfig(n, n, 1)  # one micro-batch
+    traffic = step_traffic(config, grad_bytes=grad_bytes, sharding=sharding)
+    said = np.log(np.maximum(traffic.seconds(fit.link.bandwidth, fit.link.latency_s), 1e-15))
+    expected = np.log(traffic.seconds(prior.bandwidth, prior.latency_s))
+    fit_var, prior_var = _robust_var(said), _robust_var(expected)
+    gap = float(said[0] - expected[0])
+    if figures[2] == 0:
+        return prior, 1.0  # a prior held exactly (uncertainty 0)
+    evidence = [
+        share * math.exp(-0.5 * gap**2 / total) / math.sqrt(total)
+        for share, total in ((PRIOR_HOLDS, fit_var + prior_var),
+                             (1 - PRIOR_HOLDS, fit_var + _ANYTHING_SD**2))
+    ]  # fmt: skip
+    held = evidence[0] / sum(evidence)
+    bandwidth = _combine(fit.link.bandwidth, figures[0], figures[2], rng)
+    latency = prior.latency_s
+    if fit.latency_fitted:
+        latency = _combine(fit.link.latency_s, figures[1], figures[2], rng)
+    near = rng.random(bandwidth.size) < held
+    near[0] = held >= 0.5
+    return Link(np.where(near, bandwidth, fit.link.bandwidth),
+                np.where(near, latency, fit.link.latency_s)), held  # fmt: skip
+
+
+def _robust_var(logs: np.ndarray) -> float:
+    """The variance of draws by their interquartile range (draw 0, the point, left out)."""
+    if logs.size < 3:
+        return 0.0
+    q1, q3 = np.percentile(logs[1:], [25, 75])
+    return float(((q3 - q1) / _IQR_TO_SD) ** 2)
 
 
 def _combine(fit: np.ndarray, prior: float, spread: float, rng: np.random.Generator) -> np.ndarray:
@@ -341,18 +429,15 @@ def _combine(fit: np.ndarray, prior: float, spread: float, rng: np.random.Genera
     about it with the combination's sd (a normal approximation in logs)."""
     logs = np.log(np.maximum(fit, prior * 1e-6))
     centre = float(np.median(logs[1:])) if logs.size > 1 else float(logs[0])
-    q1, q3 = np.percentile(logs[1:], [25, 75]) if logs.size > 1 else (centre, centre)
-    fit_var = ((q3 - q1) / _IQR_TO_SD) ** 2
+    fit_var = _robust_var(logs)
     centre = float(logs[0]) if logs.size == 1 else centre
-    if spread == 0:
-        weights = (0.0, 1.0)  # a prior held exactly
-    elif fit_var == 0:
+    if fit_var == 0:
         weights = (1.0, 0.0)
     else:
         precision = 1 / fit_var + 1 / spread**2
         weights = (1 / fit_var / precision, 1 / spread**2 / precision)
     mean = weights[0] * float(logs[0]) + weights[1] * math.log(prior)
-    sd = 0.0 if spread == 0 or fit_var == 0 else math.sqrt(1 / precision)
+    sd = 0.0 if fit_var == 0 else math.sqrt(1 / precision)
     z = rng.standard_normal(logs.size)
     z[0] = 0.0
     return np.exp(mean + sd * z)
@@ -366,48 +451,44 @@ def _prior(prior: tuple[float, float, float], rng: np.random.Generator, draws: i
     return Link(bandwidth * np.exp(z[0]), latency_s * np.exp(z[1]))
 
 
-def _fit_link(
+_PRIOR_ALONE = "the link rests on the prior alone (plan.intra_node, plan.inter_node): "
+
+
+def _why_not_fitted(
     found: Sequence[Measurement],
-    measured: dict[int, np.ndarray],
-    grad_bytes: int,
-    per_node: int,
     counts: tuple[int, ...],
-    sharding: str,
-) -> tuple[Link | None, str]:
-    """The intra-node link fitted to the collectives measured at each device count, per
-    draw (least squares of t_sync = bytes moved / bandwidth + hops x latency, both
-    non-negative, relative to each), and what the link rests on, in words. No fit where the
-    run cannot say: it measured one device count, its collectives were modelled
-    (``simulate``), it measured them at fewer than two device counts, or crossed a node."""
-    prior = "the link rests on the prior alone (plan.intra_node, plan.inter_node): "
-    ns = sorted(measured)
+    per_node: int,
+    grad_bytes: int,
+    link: Link | None,
+) -> str:
+    """Why the run's measurements say nothing of the intra-node link, in words."""
+    if link is not None:
+        return ""
     if len(counts) < 2:
-        return None, prior + f"the run measured a single device count ({counts[0]})"
-    if not ns and any(f.parallel == "simulate" for f in found):
-        return None, prior + (
+        return _PRIOR_ALONE + f"the run measured a single device count ({counts[0]})"
+    if grad_bytes <= 0:
+        return _PRIOR_ALONE + "the model has no gradient to all-reduce"
+    within = [f for f in found if 1 < f.config.num_devices <= per_node]
+    if within and all(f.sync_s is not None and f.timed is None for f in within):
+        return _PRIOR_ALONE + (
             "the run's collectives were modelled (trial.parallel: simulate), not measured"
         )
-    at = f" (it uses the collectives measured at {', '.join(map(str, ns))} devices there)"
-    if len(ns) < 2:
-        return None, prior + "the run measured collectives at fewer than two device counts " + (
-            f"above 1{at if ns else ''}"
-        )
-    if max(counts) > per_node:
-        return None, prior + f"the run's device counts cross a node of {per_node}{at}"
-    if grad_bytes <= 0:
-        return None, prior + "the model has no gradient to all-reduce"
-    if sharding == "fsdp":
-        return None, prior + "the run sharded the model (fsdp), whose collectives it does not fit"
-    a = np.array([[2 * (n - 1) / n * grad_bytes, 2 * (n - 1)] for n in ns])
-    t = np.array([measured[n] for n in ns])
-    weight = 1.0 / np.maximum(t[:, :1], 1e-12)  # relative to the point estimate's
-    scale = a.max(axis=0)
-    inverse_bw, latency = np.empty(t.shape[1]), np.empty(t.shape[1])
-    for d in range(t.shape[1]):
-        coef, _ = nnls(a / scale * weight, t[:, d] * weight[:, 0])
-        inverse_bw[d], latency[d] = coef / scale
-    basis = (
-        f"the intra-node link is fitted to the collectives measured at {', '.join(map(str, ns))} "
-        "devices; the inter-node link is the prior (plan.inter_node)"
+    if not within:
+        return _PRIOR_ALONE + f"the run measured no device count from 2 to a node's {per_node}"
+    return _PRIOR_ALONE + (
+        "the run's step times cannot tell the collectives from the compute (no micro-batch "
+        "size measured at two device counts)"
     )
-    return Link(1.0 / np.maximum(inverse_bw, 1e-15), latency), basis
+
+
+def _fitted_basis(counts: tuple[int, ...], held: float, latency: bool) -> str:
+    """What a fitted link rests on, in words."""
+    at = ", ".join(map(str, counts))
+    said = f"the intra-node link is fitted to the collectives measured at {at} devices"
+    if not latency:
+        said += " (bandwidth; the latency is the prior's: one device count cannot tell them apart)"
+    if held < 0.5:
+        said += ", to which the prior (plan.intra_node) yields"
+    else:
+        said += ", combined with the prior (plan.intra_node)"
+    return said + "; the inter-node link is the prior (plan.inter_node)"

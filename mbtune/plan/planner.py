@@ -31,6 +31,7 @@ from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, measurements
 from mbtune.plan.nccl import read_nccl_tests
+from mbtune.recommend.confidence import MAX_SCORE, TOLERANCE
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir, read_trials
 
@@ -273,11 +274,13 @@ def make_plan(
     plan = experiment.plan
     if plan is None:
         raise ConfigError("plan", "the experiment has no plan section")
-    found = measurements(records, experiment.noise_floor)
+    sharding = experiment.trial.sharding
+    found = measurements(records, experiment.noise_floor, grad_bytes, sharding)
     (intra, inter), sources = _links(plan)
     model = fit_step_model(
         found,
         grad_bytes=grad_bytes,
+        sharding=sharding,
         per_node=plan.devices_per_node,
         intra_prior=intra,
         inter_prior=inter,
@@ -378,12 +381,9 @@ def _why_none(experiment: Experiment, model: StepModel, n: int) -> str:
     sizes = ", ".join(f"{m}" for m in sorted(set(model.largest_micro_batch.values())))
     return (
         f"every configuration at {n} devices needs a micro-batch larger than the largest "
-        f"that ran ({sizes}) or a checkpointing setting the run did not measure"
+        f"that ran ({sizes}) or a setting of the step (activation checkpointing, sharding) "
+        "the run did not measure"
     )
-
-
-PICK_TOLERANCE = 0.02
-"""A plan's pick is right within 2% of the fastest, as a recommendation is."""
 
 
 def _best_row(
@@ -399,9 +399,9 @@ def _best_row(
              for c in candidates}  # fmt: skip
     best = min(candidates, key=lambda c: float(hours[c][0]))
     fastest = np.min(np.vstack(list(hours.values())), axis=0)
-    within = float(np.mean(hours[best] * (1 - PICK_TOLERANCE) <= fastest))
+    within = float(np.mean(hours[best] * (1 - TOLERANCE) <= fastest))  # as a recommendation
     row = _row_of(model, best, plan, per_sample)
-    return dataclasses.replace(row, confidence=min(99, int(within * 100)))
+    return dataclasses.replace(row, confidence=min(MAX_SCORE, int(within * 100)))
 
 
 def _row_of(

@@ -70,6 +70,7 @@ __all__ = [
     "drift_variance",
     "observation",
     "relative_step_noise",
+    "step_variance",
     "tie_order",
 ]
 
@@ -294,7 +295,7 @@ def assess(
         return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
     spread, _ = relative_step_noise(ok)
     drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
-    step_var = np.array([_step_var(spread, o) for o in ok])
+    step_var = np.array([step_variance(spread, o) for o in ok])
     noise_var = step_var + drift_variance(drift, drift_dof)
     scale = Scale(points)
     candidates = sorted(feasible)
@@ -437,7 +438,7 @@ def _sure(
             yield dim, values.pop(), getattr(rival, dim), fastest / estimate[rival]
 
 
-def _step_var(spread: float, o: Observation) -> float:
+def step_variance(spread: float, o: Observation) -> float:
     """The variance of the log of one trial's median step time, from the step noise: the
     median of k samples varies pi/2 times as much as their mean."""
     return (math.pi / 2) * spread**2 / max(1, len(o.step_times_ms))
@@ -454,7 +455,7 @@ def between_trial_drift(
     noise: dict[BatchConfig, list[float]] = {}
     for o in ok:
         logs.setdefault(o.config, []).append(math.log(o.value))
-        noise.setdefault(o.config, []).append(_step_var(spread, o))
+        noise.setdefault(o.config, []).append(step_variance(spread, o))
     excess, dof = 0.0, 0
     for config, y in logs.items():
         if len(y) < 2:

@@ -3,7 +3,7 @@
 With ``fsdp`` every Ray Train worker of a ``parallel: ddp`` trial wraps the model with
 PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per block (the classes
 a model names, see :func:`shard_units`) and the root. No worker ever holds the whole model:
-the model is built on the meta device (mbtune.trial.measure), sharded, materialized empty
+the model is built on the meta device (mbtune.trial.step), sharded, materialized empty
 on the device with ``to_empty`` and initialised by its own init (:func:`materialize`), so
 that a CPU trial's peak, the process's high-water mark, shows the saving.
 
@@ -166,7 +166,7 @@ class SimulatedShards(FullyShardedGroup):
     real (the fake backend's all-gather fills every rank's part with this rank's shard, its
     reduce-scatter keeps this rank's part: the values stay finite), no collective takes any
     time, and FSDP's all-gathers and reduce-scatters are modelled from :attr:`unit_bytes`
-    (mbtune.trial.trial.fsdp_sync_s), as one process models DDP's all-reduce. There is no
+    (mbtune.comm.fsdp_traffic), as one process models DDP's all-reduce. There is no
     one to agree with: a failure is the trial's result, as with ``OneProcess``."""
 
     simulated = True

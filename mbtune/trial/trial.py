@@ -6,9 +6,9 @@ by at most one sample, each loss scaled by (micro-batch samples / P) so the accu
 gradient equals the full-batch one, then the gradient all-reduce, then the optimizer
 step. The steps are timed by one loop (mbtune.trial.measure): with ``trial.parallel: simulate``
 one process measures one device's share and the all-reduce is modelled
-(:func:`ring_allreduce_s`; with ``trial.sharding: fsdp`` the process is rank 0 of N on a
+(mbtune.comm; with ``trial.sharding: fsdp`` the process is rank 0 of N on a
 fake process group, its shard real, and FSDP2's all-gathers and reduce-scatters are
-modelled: :func:`fsdp_sync_s`); with ``ddp`` every device is a real process of a Ray Train run
+modelled there too); with ``ddp`` every device is a real process of a Ray Train run
 and the all-reduce is PyTorch's (mbtune.trial.ddp). ``trial.backend: replay`` answers from a
 table instead (mbtune.trial.replay). Compile time is measured on its own and never mixed into
 throughput; every step time is kept.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mbtune import lattice
+from mbtune.comm import step_traffic
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -53,9 +54,6 @@ __all__ = [
     "TrialResult",
     "objective",
     "result_of",
-    "fsdp_sync_s",
-    "ring_allreduce_s",
-    "ring_gather_s",
     "run_trial",
     "trial_metrics",
 ]
@@ -99,7 +97,7 @@ class TrialResult:
     """Median time of the forward/backward passes and optimizer step on one device."""
     comm_time_ms: float = 0.0
     """Ring all-reduce time per step (zero on one device): modelled with ``simulate``
-    (sharded: the step's all-gathers and reduce-scatters, :func:`fsdp_sync_s`); with
+    (sharded: the step's all-gathers and reduce-scatters; mbtune.comm.step_traffic); with
     ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
     bubble_time_ms: float = 0.0
     """Modelled pipeline bubble per step (zero without pipeline stages)."""
@@ -153,52 +151,6 @@ class TrialResult:
         d["step_times_ms"] = list(self.step_times_ms)
         d["micro_batch_sizes_tried"] = list(self.micro_batch_sizes_tried)
         return d
-
-
-def ring_allreduce_s(
-    grad_bytes: int, num_devices: int, bandwidth: float, latency_s: float
-) -> float:
-    """Time of a ring all-reduce of ``grad_bytes`` over ``num_devices``.
-
-    A ring all-reduce is a reduce-scatter then an all-gather, each n - 1 steps that move
-    S / n bytes per link: t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency.
-    """
-    return 2 * ring_gather_s(grad_bytes, num_devices, bandwidth, latency_s)
-
-
-def ring_gather_s(nbytes: int, num_devices: int, bandwidth: float, latency_s: float) -> float:
-    """Time of a ring all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over
-    ``num_devices``: n - 1 steps that move S / n bytes per link, t = (n - 1) / n * S /
-    bandwidth + (n - 1) * latency; half a ring all-reduce."""
-    if num_devices <= 1:
-        return 0.0
-    n = num_devices
-    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency_s
-
-
-def fsdp_sync_s(
-    units: tuple[tuple[int, int], ...],
-    config: BatchConfig,
-    bandwidth: float,
-    latency_s: float,
-) -> float:
-    """One step's FSDP2 collectives (``trial.sharding: fsdp``) over ``config.num_devices``,
-    ring-modelled unit by unit (:func:`ring_gather_s`). ``units``: each FSDP unit's
-    (all-gather bytes: its parameters in the compute dtype, reduce-scatter bytes: its
-    gradients in the reduce dtype), the root last. Each of the step's g micro-batches
-    all-gathers every unit in its forward pass and, with ``reshard_after_forward``, again in
-    its backward (not the root's: FSDP2 keeps them for the backward); the gradients are
-    reduce-scattered once a step (``grad_sync: last``) or once a micro-batch (``every``).
-    A unit gathered once and reduce-scattered once moves an all-reduce's bytes."""
-    n, g = config.num_devices, config.grad_accum_steps
-    scatters = g if config.grad_sync == "every" else 1
-    total = 0.0
-    for i, (gather, scatter) in enumerate(units):
-        root = i == len(units) - 1
-        gathers = g * (2 if config.reshard_after_forward and not root else 1)
-        total += gathers * ring_gather_s(gather, n, bandwidth, latency_s)
-        total += scatters * ring_gather_s(scatter, n, bandwidth, latency_s)
-    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,11 +264,12 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
     if measured.comm_s is None:
         stages = max(1, exp.train_input.pipeline_stages)
         link = tr.link(measured.device)
-        if measured.fsdp_units:  # sharded: FSDP2's all-gathers and reduce-scatters
-            units = tuple((a // stages, b // stages) for a, b in measured.fsdp_units)
-            comm = fsdp_sync_s(units, config, *link)
-        else:
-            comm = ring_allreduce_s(measured.grad_bytes // stages, config.num_devices, *link)
+        # sharded: FSDP2's all-gathers and reduce-scatters; else the gradients' all-reduce
+        units = tuple((a // stages, b // stages) for a, b in measured.fsdp_units)
+        sharding = "fsdp" if units else "none"
+        traffic = step_traffic(config, grad_bytes=measured.grad_bytes // stages,
+                               sharding=sharding, units=units)  # fmt: skip
+        comm = traffic.seconds(*link)
         # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and
         # the p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
         bubble_share = lattice.bubble_fraction(stages, config.grad_accum_steps)
