@@ -10,7 +10,7 @@ barrier, and its time is the slowest rank's (as the ddp trial times its all-redu
 
 The model is the trial engine's ring all-reduce,
 t = 2 (n - 1) / n * S / bandwidth + 2 (n - 1) * latency,
-(1) with the GPU interconnect figures (25 GB/s, 10 us: mbtune.config.schema.LINKS['cuda'], the
+(1) with the GPU interconnect figures (25 GB/s, 10 us: mbtune.config.trial.LINKS['cuda'], the
 default for every device before this benchmark set the CPU's) and
 (2) with bandwidth and latency fitted to the n = 2 medians (least squares on the relative
 error, so that the small sizes count as much as the large). The fitted model is then also

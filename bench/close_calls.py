@@ -68,7 +68,7 @@ from search_efficiency import (
 )
 
 from mbtune.config.load import parse_experiment
-from mbtune.config.schema import SearchConfig
+from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.search import make_searcher, search_points
 from mbtune.trial.trial import trial_metrics

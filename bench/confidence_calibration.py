@@ -65,7 +65,7 @@ from _common import BENCH, machine, save
 from search_efficiency import by_thirds, drawn_landscapes, landscapes, replayed, stopping_search
 
 from mbtune.config.experiment import DEFAULT_NOISE_FLOOR
-from mbtune.config.schema import SearchConfig
+from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.search import make_searcher
 

@@ -13,19 +13,9 @@ from mbtune.config.load import (
     parse_experiment,
 )
 from mbtune.config.rules import ConfigError, parse_memory
-from mbtune.config.schema import (
-    DEFAULT_SPACE,
-    IntRange,
-    LinkTier,
-    ModelConfig,
-    PlanConfig,
-    RayConfig,
-    SearchConfig,
-    SpaceConfig,
-    StartPoint,
-    TrainInput,
-    TrialConfig,
-)
+from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig, TrainInput
+from mbtune.config.search import DEFAULT_SPACE, IntRange, SearchConfig, SpaceConfig, StartPoint
+from mbtune.config.trial import TrialConfig
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.runs.load import load_run_experiment
@@ -134,7 +124,7 @@ def test_drift_and_max_repeats_are_read_with_their_defaults(tmp_path):
 
 
 def test_the_modelled_link_defaults_to_the_trial_device_and_each_part_can_be_set():
-    from mbtune.config.schema import LINKS
+    from mbtune.config.trial import LINKS
 
     default = make().trial
     assert default.link("cpu") == (LINKS["cpu"][0], LINKS["cpu"][1] * 1e-6)

@@ -19,7 +19,7 @@ from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
 from mbtune.search import run_search, trial_resources
 from mbtune.trial import ddp
-from mbtune.trial.measure import rank_micro_batches, synced_step
+from mbtune.trial.step import rank_micro_batches, synced_step
 from mbtune.trial.trial import run_trial
 
 # -- the DDP step: gradients ------------------------------------------------------------

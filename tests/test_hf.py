@@ -21,7 +21,7 @@ from mbtune.models import hf  # noqa: E402
 from mbtune.models.batch import split_batch  # noqa: E402
 from mbtune.models.build import build_model, check_model  # noqa: E402
 from mbtune.models.hf import build_hf_model  # noqa: E402
-from mbtune.trial.measure import accumulate_gradients  # noqa: E402
+from mbtune.trial.step import accumulate_gradients  # noqa: E402
 from mbtune.trial.trial import run_trial  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

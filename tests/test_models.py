@@ -16,7 +16,7 @@ from mbtune.models import build as models
 from mbtune.models.batch import num_samples, slice_batch, split_batch
 from mbtune.models.build import BUILTIN_MODELS, build_from_config, build_model, check_model
 from mbtune.models.spec import ModelSpec, batch_mixing_reason
-from mbtune.trial.measure import accumulate_gradients
+from mbtune.trial.step import accumulate_gradients
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

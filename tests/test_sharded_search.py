@@ -210,10 +210,10 @@ def _knobs_rank(rank: int, world: int, init: str, reshard: bool, sync: str) -> N
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from mbtune.config.schema import TrialConfig
+    from mbtune.config.trial import TrialConfig
     from mbtune.models.build import build_model
-    from mbtune.trial.measure import accumulate_gradients
     from mbtune.trial.sharding import FullyShardedGroup
+    from mbtune.trial.step import accumulate_gradients
 
     cpu = torch.device("cpu")
     gpt = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 8, "vocab_size": 64,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mbtune.config.load import parse_experiment
-from mbtune.config.schema import TrialConfig
+from mbtune.config.trial import TrialConfig
 from mbtune.lattice import BatchConfig
 from mbtune.models.build import build_model
 from mbtune.trial.sharding import mixed_precision, shard_units
@@ -72,8 +72,8 @@ def _sharded_rank(rank: int, world: int, init: str) -> None:
     """FSDP on 2 ranks, 2 micro-batches each, against one process's full batch."""
     import torch.distributed as dist
 
-    from mbtune.trial.measure import synced_step
     from mbtune.trial.sharding import FullyShardedGroup
+    from mbtune.trial.step import synced_step
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from mbtune.cli import main
-from mbtune.config import schema
+from mbtune.config import trial
 from mbtune.config.load import load_experiment
 from mbtune.config.model_options import hf_config_key
 from mbtune.config.starter import DEVICES, Sizing, write_starter
@@ -60,7 +60,7 @@ def test_the_starter_is_commented_and_hf_gpt2_is_tiny(capsys, tmp_path, monkeypa
 
 
 def test_the_starter_devices_are_the_trial_devices_but_auto():
-    assert DEVICES == ("cpu", "cuda") and set(DEVICES) == set(schema.DEVICES) - {"auto"}
+    assert DEVICES == ("cpu", "cuda") and set(DEVICES) == set(trial.DEVICES) - {"auto"}
 
 
 @pytest.mark.parametrize(

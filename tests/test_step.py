@@ -12,13 +12,13 @@ import torch
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.config.rules import ConfigError
-from mbtune.config.schema import TrialConfig
+from mbtune.config.trial import TrialConfig
 from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
 from mbtune.models.build import build_model
 from mbtune.trial.flops import attention_flops, count_flops_per_sample, peak_tflops
-from mbtune.trial.measure import accumulate_gradients
 from mbtune.trial.precision import for_device
+from mbtune.trial.step import accumulate_gradients
 from mbtune.trial.trial import run_trial
 
 GPT = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 64}

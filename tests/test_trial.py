@@ -15,8 +15,9 @@ from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
 from mbtune.models.build import build_model
 from mbtune.trial.collectives import OneProcess
-from mbtune.trial.measure import Measurement, accumulate_gradients, measure, rank_batch
+from mbtune.trial.measure import Measurement, measure
 from mbtune.trial.replay import ReplayTable
+from mbtune.trial.step import accumulate_gradients, rank_batch
 from mbtune.trial.trial import result_of, ring_allreduce_s, run_trial
 
 

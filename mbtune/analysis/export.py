@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import get_args
 
-from mbtune.config.schema import PRECISIONS as _TRIAL_PRECISIONS
-from mbtune.config.schema import Sharding
+from mbtune.config.trial import PRECISIONS as _TRIAL_PRECISIONS
+from mbtune.config.trial import Sharding
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, nearest_valid_batch_sizes
 from mbtune.report import micro_batches, per_device_split

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mbtune.config.schema import STATUSES
+from mbtune.config.trial import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, LatticeError
 from mbtune.report import recommended_line, sizes, step_suffix

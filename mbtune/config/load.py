@@ -1,10 +1,11 @@
 """The experiment from YAML: safe loading, ``--set`` overrides, and the conversion of each
 value to its field's type.
 
-The rules live in the dataclasses (mbtune.config.schema, mbtune.config.experiment): this module only
-reads YAML, checks each mapping's keys, turns YAML's spellings into the fields' types
-(``8GiB`` into bytes, a list into a tuple, ``{min, max}`` into an IntRange, a path
-relative to the experiment file) and lets the dataclasses refuse what breaks a rule.
+The rules live in the dataclasses (mbtune.config.schema, mbtune.config.search,
+mbtune.config.trial, mbtune.config.experiment): this module only reads YAML, checks each
+mapping's keys, turns YAML's spellings into the fields' types (``8GiB`` into bytes, a list
+into a tuple, ``{min, max}`` into an IntRange, a path relative to the experiment file) and
+lets the dataclasses refuse what breaks a rule.
 Every error is a :class:`ConfigError` whose one-line message names the field's dotted
 YAML path, the rule, the value given and what would be valid.
 """
@@ -23,18 +24,9 @@ import yaml
 from mbtune.config.experiment import Experiment
 from mbtune.config.model_options import did_you_mean
 from mbtune.config.rules import ConfigError, field_kinds, kind_of, parse_memory, show
-from mbtune.config.schema import (
-    IntRange,
-    LinkTier,
-    ModelConfig,
-    PlanConfig,
-    RayConfig,
-    SearchConfig,
-    SpaceConfig,
-    StartPoint,
-    TrainInput,
-    TrialConfig,
-)
+from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig, TrainInput
+from mbtune.config.search import IntRange, SearchConfig, SpaceConfig, StartPoint
+from mbtune.config.trial import TrialConfig
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

@@ -25,6 +25,7 @@ from mbtune.errors import MbtuneError
 __all__ = [
     "INT_LIMIT",
     "MAX_BYTES",
+    "SIZE",
     "Bounds",
     "ConfigError",
     "FieldKind",
@@ -82,6 +83,11 @@ class Bounds:
         upper = f"up to (not including) {self.below}" if self.below is not None else None
         text = f"{kind} from {self.minimum} {upper or f'to {self.maximum}'}"
         return text + (f", or {self.also}" if self.also else "")
+
+
+SIZE = Bounds()
+"""A size listed (a space's device counts and micro-batch sizes, a plan's device counts): a
+whole number from 1."""
 
 
 def number(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:

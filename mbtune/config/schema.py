@@ -3,17 +3,18 @@
 Every choice is a ``Literal``, every default is stated once (on its field) and every rule
 runs in ``__post_init__``: a section built in code refuses what the YAML refuses, with the
 same one-line :class:`~mbtune.config.rules.ConfigError`. mbtune.config.load only turns YAML into
-these types; mbtune.config.experiment joins them into an Experiment.
+these types; mbtune.config.experiment joins them into an Experiment. Here: ``model:``,
+``train_input:``, ``ray:`` and ``plan:``; the two large ones in modules of their own,
+``search:`` (mbtune.config.search) and ``trial:`` (mbtune.config.trial).
 """
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from mbtune import lattice
 from mbtune.config.model_options import (
@@ -25,7 +26,7 @@ from mbtune.config.model_options import (
     split_user_options,
 )
 from mbtune.config.rules import (
-    Bounds,
+    SIZE,
     ConfigError,
     check_fields,
     check_number,
@@ -33,86 +34,23 @@ from mbtune.config.rules import (
     number,
     show,
 )
-from mbtune.lattice import (
-    GRAD_SYNCS,
-    MAX_CONFIGS,
-    SETTINGS,
-    BatchConfig,
-    GradSync,
-    LatticeError,
-)
+from mbtune.lattice import BatchConfig, LatticeError
 
 __all__ = [
-    "BACKENDS",
     "BUILTIN_MODELS",
-    "COMPILE_MODES",
-    "CUDA_ONLY_PRECISIONS",
-    "DEFAULT_MEMORY_HEADROOM",
-    "DEFAULT_SPACE",
-    "DEVICES",
-    "LINKS",
-    "MAX_MEMORY_HEADROOM",
-    "OBJECTIVES",
-    "ON_OOM",
-    "PARALLEL",
-    "PRECISIONS",
-    "SAMPLERS",
-    "STATUSES",
     "INTER_NODE",
     "INTRA_NODE",
-    "IntRange",
     "LinkTier",
     "ModelConfig",
     "PlanConfig",
     "RayConfig",
-    "SearchConfig",
-    "SpaceConfig",
-    "StartPoint",
     "TrainInput",
-    "TrialConfig",
     "lattice_rule",
-    "unsharded_rule",
 ]
 
-Sampler = Literal["tpe", "gp", "random", "model", "grid", "halving", "doubling"]
-Objective = Literal["samples_per_s", "samples_per_s_per_device"]
-Backend = Literal["torch", "replay"]
-Device = Literal["auto", "cpu", "cuda"]
-Parallel = Literal["simulate", "ddp"]
-Sharding = Literal["none", "fsdp"]
-Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
-CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-OnOom = Literal["fail", "halve"]
 MicroBatchMode = Literal["auto", "explore", "none"]
 """lattice.MODES: how a search chooses m when train_input does not fix it."""
-TrialStatus = Literal["ok", "oom", "error", "timeout"]
-"""How a trial ends: measured, out of memory, failed, or still running at its timeout. A
-replay table (``trial.table``) gives one per row, as trials.csv does; every room reads
-them from here (the config is the one room the trial, the runs and the analysis share)."""
-
-SAMPLERS = typing.get_args(Sampler)
-OBJECTIVES = typing.get_args(Objective)
-BACKENDS = typing.get_args(Backend)
-DEVICES = typing.get_args(Device)
-PARALLEL = typing.get_args(Parallel)
-PRECISIONS = typing.get_args(Precision)
-COMPILE_MODES = typing.get_args(CompileMode)
-ON_OOM = typing.get_args(OnOom)
-STATUSES = typing.get_args(TrialStatus)
-CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
-"""TF32 matmuls and fp16 with a gradient scaler exist on CUDA only; bf16 autocast runs on
-the CPU too."""
 BUILTIN_MODELS = tuple(MODEL_OPTIONS)
-DEFAULT_MEMORY_HEADROOM = 0.05
-"""The share of a known memory budget a configuration must leave free to count as fitting:
-allocator fragmentation grows over hours of training (trial.memory_headroom)."""
-MAX_MEMORY_HEADROOM = 0.99
-"""A larger headroom leaves no memory to measure anything in."""
-LINKS = {"cpu": (1_850_000_000, 210.0), "cuda": (25 * 10**9, 10.0)}
-"""The modelled all-reduce's link (bytes/s, latency per hop in microseconds) when the
-experiment sets none. cpu: gloo between two processes on one host, fitted to measured
-all-reduces (bench/allreduce_model.py, docs/benchmarks.md); cuda: one link of a GPU
-interconnect (not measured: no GPU was at hand)."""
 
 
 @contextmanager
@@ -229,326 +167,6 @@ class TrainInput:
         return None
 
 
-@dataclass(frozen=True)
-class IntRange:
-    """An inclusive ``{min, max}`` range of integers (a field of search.space; its
-    errors name ``min``, ``max`` or the range itself, under the field that holds it)."""
-
-    min: int = number()
-    """The smallest value, at least 1."""
-    max: int = number()
-    """The largest value, at least ``min``, fewer than MAX_CONFIGS values above it."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, "")
-        if self.min > self.max:
-            raise ConfigError("", f"min {self.min} is greater than max {self.max}")
-        if self.max - self.min >= MAX_CONFIGS:
-            raise ConfigError(
-                "", f"range {self.min}..{self.max} is too wide: at most {MAX_CONFIGS} values"
-            )
-
-    def values(self) -> list[int]:
-        return list(range(self.min, self.max + 1))
-
-
-_SIZES = Bounds()
-"""A size listed in the space: a whole number from 1."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SpaceConfig:
-    """What may vary; a dimension left out stays at its train_input value."""
-
-    num_devices: tuple[int, ...] | IntRange | None = None
-    """Device counts n to try: a list or a {min, max} range."""
-    micro_batch_size: tuple[int, ...] | IntRange | None = None
-    """Micro-batch sizes m to try (within what the mode allows)."""
-    batch_size: int | IntRange | None = None
-    """One global batch, or a {min, max} range: B is then free, B = n x m x g."""
-    activation_checkpointing: tuple[bool, ...] | None = None
-    """``[false, true]`` searches with and without activation checkpointing."""
-    reshard_after_forward: tuple[bool, ...] | None = None
-    """``[true, false]`` searches FSDP2 freeing each block's parameters after the forward
-    pass (ZeRO-3-like) and keeping them (ZeRO-2-like); needs ``trial.sharding: fsdp``."""
-    grad_sync: tuple[GradSync, ...] | None = None
-    """``[last, every]`` searches reducing gradients once per step and in every
-    micro-batch (mbtune.lattice.GradSync); needs ``trial.sharding: fsdp``."""
-    source: str = "inline"
-    """Where the space came from: ``inline``, a name from search_spaces/, or a path."""
-
-    _WHERE: ClassVar[str] = "search.space"
-
-    def __post_init__(self) -> None:
-        for key in ("num_devices", "micro_batch_size"):
-            value, where = getattr(self, key), f"{self._WHERE}.{key}"
-            if isinstance(value, tuple):
-                if not value:
-                    raise ConfigError(where, "the list is empty; give at least one size")
-                for item in value:
-                    check_number(item, where, _SIZES, integer=True)
-            elif value is not None and not isinstance(value, IntRange):
-                bounds = Bounds(also="a list or {min, max}")
-                check_number(value, where, bounds, integer=True)
-                raise ConfigError(where, f"expected a tuple of sizes, got {show(value)}")
-        if self.batch_size is not None and not isinstance(self.batch_size, IntRange):
-            bounds = Bounds(also="a {min, max} range")
-            check_number(self.batch_size, f"{self._WHERE}.batch_size", bounds, integer=True)
-        for key, choices in (
-            ("activation_checkpointing", (False, True)),
-            ("reshard_after_forward", (True, False)),
-            ("grad_sync", GRAD_SYNCS),
-        ):
-            _check_choices(getattr(self, key), f"{self._WHERE}.{key}", choices)
-
-    @property
-    def settings(self) -> dict[str, tuple[Any, ...]]:
-        """The settings of a step (mbtune.lattice.BatchConfig.settings) the space lists."""
-        return {k: getattr(self, k) for k in SETTINGS if getattr(self, k) is not None}
-
-
-def _check_choices(values: Any, where: str, choices: tuple[Any, ...]) -> None:
-    """A setting listed in the space: a non-empty tuple of its ``choices``."""
-    if values is None:
-        return
-    spelled = [str(c).lower() for c in choices]  # as YAML writes them
-    given = list(values) if isinstance(values, tuple) else values
-    if (
-        not isinstance(values, tuple)
-        or not values
-        or not all(any(v is c or (v == c and type(v) is type(c)) for c in choices) for v in values)
-    ):
-        raise ConfigError(
-            where,
-            f"expected {' or '.join(spelled)}, or a list of them such as "
-            f"[{', '.join(spelled)}], got {show(given)}",
-        )
-
-
-DEFAULT_SPACE = SpaceConfig(micro_batch_size=IntRange(1, 4096), source="default")
-"""The space of an experiment that names none (``search_spaces/default.yaml`` holds the
-same, for ``space: default``): every micro-batch size the mode allows, up to 4096, at
-train_input's batch_size and num_devices."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StartPoint:
-    """One of ``search.start_points`` as YAML spells it (its errors name its own keys,
-    under the list entry that holds it); :attr:`config` is what the search takes."""
-
-    batch_size: int = number()
-    """Global batch B."""
-    num_devices: int = number(1)
-    """Data-parallel devices n."""
-    micro_batch_size: int = number()
-    """Micro-batch size m."""
-    activation_checkpointing: bool = False
-    """Whether the model recomputes its blocks' activations."""
-    reshard_after_forward: bool = True
-    """Sharded: whether each block's parameters are freed after the forward pass."""
-    grad_sync: GradSync = "last"
-    """When the gradients are synchronised: ``last`` or ``every`` micro-batch."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, "")
-        with lattice_rule(""):  # BatchConfig's own rules: B >= n
-            BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
-
-    @property
-    def config(self) -> BatchConfig:
-        return BatchConfig(
-            self.batch_size,
-            self.num_devices,
-            self.micro_batch_size,
-            self.activation_checkpointing,
-            self.reshard_after_forward,
-            self.grad_sync,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchConfig:
-    """How to search: ``search:``."""
-
-    space: SpaceConfig = DEFAULT_SPACE
-    """What may vary (see SpaceConfig)."""
-    sampler: Sampler = "model"
-    """``model`` (default), ``tpe``, ``gp``, ``random``, ``grid``, or the baselines ``halving``
-    and ``doubling``."""
-    objective: Objective = "samples_per_s"
-    """``samples_per_s`` (global throughput) or ``samples_per_s_per_device``."""
-    num_samples: int = number(20)
-    """Most trials to run (a trial is one measured configuration)."""
-    time_budget_s: float | None = number(None, minimum=0.0)
-    """Stop starting trials after this many seconds; None: no limit."""
-    confidence_target: int = number(90, maximum=100)
-    """Stop once the confidence score reaches this (1..99; 100, which the score never
-    reaches, never stops on confidence)."""
-    noise_floor: float | None = number(None, minimum=0.0, maximum=1.0)
-    """The prior of the relative run-to-run drift of a measurement that its own step times
-    cannot show (0.02 = 2%); the search estimates the drift from its repeats and this
-    counts as four of them. None: 0.035 for real trials and replays with ``trial.drift``
-    (DEFAULT_NOISE_FLOOR says where from), 0 for other replays, whose only noise is in their
-    step times. 0 also lets the search stop on one measurement of its leader."""
-    seed: int = number(0, minimum=0)
-    """Seeds the sampler (and a replay's noise)."""
-    max_repeats: int = number(5)
-    """Most times one configuration is measured (1: never measure one again). With five,
-    two configurations 3-5% apart on a machine drifting 3.5% are told apart in about 93%
-    of searches; with three, about 75%, the rest ending on a tie (docs/confidence.md)."""
-    start_points: tuple[BatchConfig, ...] = ()
-    """Configurations to measure first, before the sampler proposes."""
-    predict_memory: bool = True
-    """Before the first trial, predict each configuration's peak memory (``mbtune memory``,
-    on fake tensors) where the budget is known (``trial.device_memory``, or a CUDA card's
-    memory) and record those predicted over it, less ``trial.memory_headroom``, as ``oom``
-    with the reason ``predicted: ...``, without a trial (they do not count against
-    ``num_samples``); false: measure them. Not for replayed trials."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, "search")
-        if not isinstance(self.space, SpaceConfig):
-            raise ConfigError("search.space", f"expected a SpaceConfig, got {show(self.space)}")
-        if not all(isinstance(p, BatchConfig) for p in self.start_points):
-            raise ConfigError(
-                "search.start_points", "expected a list of configurations (BatchConfig)"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrialConfig:
-    """How one configuration is measured: ``trial:``."""
-
-    backend: Backend = "torch"
-    """``torch`` (measure a real model) or ``replay`` (answer from ``table``)."""
-    table: Path | None = None
-    """CSV of measured throughputs, for the replay backend."""
-    noise: float = number(0.0, minimum=0.0, maximum=1.0)
-    """Relative noise added to each replayed step time (0.03 = 3%)."""
-    drift: float = number(0.0, minimum=0.0, below=1.0)
-    """Replay only: the relative sd of one seeded multiplicative factor drawn per replayed
-    trial, on top of ``noise`` per step (0.035 = 3.5%), as a real machine drifts between
-    trials; 0 <= drift < 1."""
-    device: Device = "auto"
-    """``auto`` (CUDA where there is one), ``cpu`` or ``cuda``."""
-    parallel: Parallel = "simulate"
-    """``simulate`` (one device's share plus a modelled all-reduce; with ``sharding: fsdp``
-    rank 0's shard plus modelled all-gathers and reduce-scatters) or ``ddp`` (a Ray Train
-    run of num_devices DistributedDataParallel workers; see mbtune.trial.ddp)."""
-    sharding: Sharding = "none"
-    """``none`` (every device holds the whole model) or ``fsdp`` (each ddp worker holds its
-    shard: PyTorch's FSDP2, one unit per block; see mbtune.trial.sharding). With
-    ``parallel: simulate``, rank 0 of N runs alone on torch's fake process group: its shard,
-    memory and compute real, its all-gathers and reduce-scatters modelled from the link."""
-    compile: bool = True
-    """Compile the model with torch.compile; compile time is reported apart."""
-    compile_mode: CompileMode = "default"
-    """torch.compile's mode: ``default``, ``reduce-overhead``, ``max-autotune``, ..."""
-    dynamic: bool = False
-    """Compile once for every micro-batch size (a dynamic batch dimension)."""
-    warmup_steps: int = number(2, minimum=0)
-    """Untimed steps before the timed ones (compilation happens in the first)."""
-    measure_steps: int = number(5)
-    """Timed optimizer steps per trial."""
-    eval: bool = False
-    """Also measure forward-only (evaluation) throughput at the same micro-batch size."""
-    device_memory: int | None = memory()
-    """Memory budget per device in bytes (YAML: ``8GiB``, ``512MB`` or bytes); above it: oom."""
-    on_oom: OnOom = "fail"
-    """``fail`` (record oom) or ``halve`` (Composer: halve the micro-batch and retry)."""
-    link_bandwidth: int | None = memory()
-    """Bytes/s of one link of the modelled ring all-reduce (YAML: ``25GB`` or bytes);
-    None: :data:`LINKS` for the trial's device."""
-    link_latency_us: float | None = number(None, minimum=0.0)
-    """Latency of one hop of the modelled ring all-reduce, in microseconds; None:
-    :data:`LINKS` for the trial's device."""
-    precision: Precision = "auto"
-    """The arithmetic of the step: ``auto`` (bf16 autocast on a CUDA device that supports
-    it, else fp32), ``fp32``, ``tf32`` (fp32 with TF32 matmuls; CUDA), ``bf16`` (autocast,
-    fp32 master weights; CPU too) or ``fp16`` (autocast with a gradient scaler; CUDA)."""
-    activation_checkpointing: bool = False
-    """Recompute the model's blocks' activations in the backward pass (memory for
-    compute); ``search.space.activation_checkpointing`` searches over it instead."""
-    reshard_after_forward: bool | None = None
-    """``sharding: fsdp`` only: free each block's gathered parameters after its forward
-    pass and gather them again for the backward (true, FSDP2's default: ZeRO-3-like), or
-    keep them until the backward (false: ZeRO-2-like, more memory, less all-gather traffic);
-    None: true. ``search.space.reshard_after_forward`` searches over it instead."""
-    grad_sync: GradSync | None = None
-    """``sharding: fsdp`` only: reduce-scatter the gradients once per step, in the last
-    micro-batch's backward pass (``last``), or in every micro-batch's (``every``: less peak
-    memory, more traffic); None: last. ``search.space.grad_sync`` searches over it instead."""
-    peak_tflops: float | None = number(None, positive=True)
-    """The device's peak TFLOP/s for the trial's precision, for ``mfu``; None: from the
-    table of known devices (mbtune.trial.flops), or no mfu where the device is not in it."""
-    memory_headroom: float | None = number(None, minimum=0.0, maximum=MAX_MEMORY_HEADROOM)
-    """The share of the memory budget a configuration must leave free to fit; None:
-    DEFAULT_MEMORY_HEADROOM where a budget is known (trial.device_memory, or a CUDA
-    card's memory), else 0."""
-    timeout_s: float = number(600.0, minimum=1.0)
-    """A trial still running after this many seconds is stopped and recorded as timeout."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, "trial")
-        if self.device == "cpu" and self.precision in CUDA_ONLY_PRECISIONS:
-            raise ConfigError(
-                "trial.precision",
-                f"{self.precision} runs on CUDA only, and trial.device is cpu; use bf16 or "
-                "fp32 on the CPU (or auto)",
-            )
-        for key in ("reshard_after_forward", "grad_sync"):
-            if getattr(self, key) is not None and self.sharding != "fsdp":
-                raise ConfigError(f"trial.{key}", unsharded_rule(key, self.sharding))
-        if self.sharding == "fsdp" and self.precision == "fp16":
-            # fp16's gradient scaler must agree on an overflow across the shards, which the
-            # trial's plain GradScaler does not
-            raise ConfigError(
-                "trial.precision",
-                "fp16 with trial.sharding: fsdp is not measured (its gradient scaler would "
-                "not agree across the shards); use bf16, or sharding: none",
-            )
-        if self.drift and self.table is None:
-            raise ConfigError(
-                "trial.drift",
-                f"drift {self.drift:g} applies to replayed trials only, and trial.table is not "
-                "set; set trial.backend: replay with trial.table, or drift: 0",
-            )
-
-    @property
-    def settings(self) -> tuple[bool, bool, str]:
-        """The trial's own settings of a step (mbtune.lattice.BatchConfig.settings), for a
-        space that lists none of them."""
-        return (
-            self.activation_checkpointing,
-            True if self.reshard_after_forward is None else self.reshard_after_forward,
-            self.grad_sync or "last",
-        )
-
-    def headroom(self, budget: int | None) -> float:
-        """``memory_headroom`` resolved for a budget (None: no budget is known)."""
-        if self.memory_headroom is not None:
-            return self.memory_headroom
-        return DEFAULT_MEMORY_HEADROOM if budget else 0.0
-
-    def link(self, device_type: str) -> tuple[int, float]:
-        """(bytes/s, latency in seconds) of the modelled link for a ``cpu`` or ``cuda`` trial."""
-        bandwidth, latency_us = LINKS["cuda" if device_type == "cuda" else "cpu"]
-        if self.link_bandwidth is not None:
-            bandwidth = self.link_bandwidth
-        if self.link_latency_us is not None:
-            latency_us = self.link_latency_us
-        return bandwidth, latency_us * 1e-6
-
-
-def unsharded_rule(key: str, sharding: str) -> str:
-    """Why ``key`` (reshard_after_forward, grad_sync) cannot be set with ``sharding``."""
-    valid = "true or false" if key == "reshard_after_forward" else " or ".join(GRAD_SYNCS)
-    return (
-        f"{key} ({valid}) applies to sharded trials only, and trial.sharding is {sharding}; "
-        f"set trial.sharding: fsdp (with trial.parallel: ddp), or leave {key} out"
-    )
-
-
 @dataclass(frozen=True, kw_only=True)
 class RayConfig:
     """Where trials run: ``ray:``."""
@@ -660,7 +278,7 @@ class PlanConfig:
                 where, f"expected a list of device counts, got {show(self.num_devices)}"
             )
         for item in self.num_devices:
-            check_number(item, where, _SIZES, integer=True)
+            check_number(item, where, SIZE, integer=True)
         paths = self.nccl_tests
         if not isinstance(paths, tuple) or not all(
             isinstance(p, Path) and str(p) and "\0" not in str(p) for p in paths

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from mbtune.config import schema
+from mbtune.config import trial
 from mbtune.config.model_options import (
     HF_TASKS,
     MODEL_OPTIONS,
@@ -27,7 +27,7 @@ from mbtune.config.model_options import (
     hf_config_key,
     hf_model_type,
 )
-from mbtune.config.schema import SAMPLERS
+from mbtune.config.search import SAMPLERS
 from mbtune.errors import MbtuneError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEVICES", "HF_SIZE_KEYS", "Sizing", "starter_text", "write_starter"]
 
-DEVICES = tuple(d for d in schema.DEVICES if d != "auto")
+DEVICES = tuple(d for d in trial.DEVICES if d != "auto")
 """The devices a starter is written for: trial.device's, but ``auto``. A starter writes
 what its device needs (a GPU per trial, the card's memory or a CPU's budget, a longer
 timeout), so it must know the device when it is written; ``auto`` is decided only when a
@@ -111,7 +111,7 @@ def starter_text(
         _line("  time_budget_s: 1800", "... and at most this many seconds"),
         _line("  confidence_target: 90", "stop once 90% sure of the recommendation (100: never)"),
         "trial:",
-        _line(f"  device: {device}", _either(schema.DEVICES)),
+        _line(f"  device: {device}", _either(trial.DEVICES)),
         _line("  parallel: ddp", "every device a process of its own (Ray Train)")
         if sharded
         else _line("  parallel: simulate", "one device measured, the all-reduce modelled; or ddp"),

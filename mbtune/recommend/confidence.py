@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mbtune.config.schema import SearchConfig
+from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.gp import Mixture, Scale, plausible
 from mbtune.runs.record import CONFIG_KEY, TrialRecord

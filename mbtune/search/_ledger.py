@@ -22,7 +22,7 @@ from ray.tune import Callback
 
 from mbtune import progress
 from mbtune.cluster import EXIT_CLUSTER_LOST
-from mbtune.config.schema import SearchConfig
+from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line

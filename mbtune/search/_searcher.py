@@ -23,7 +23,7 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
-from mbtune.config.schema import SearchConfig
+from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
 from mbtune.report import another_look_line

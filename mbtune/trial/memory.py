@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mbtune.config.model_options import one_line
-from mbtune.config.schema import TrialConfig
+from mbtune.config.trial import TrialConfig
 
 __all__ = [
     "Verdict",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mbtune.config.schema import CUDA_ONLY_PRECISIONS
+from mbtune.config.trial import CUDA_ONLY_PRECISIONS
 from mbtune.errors import MbtuneError
 
 __all__ = ["Precision", "for_device", "resolve"]

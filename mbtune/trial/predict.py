@@ -5,7 +5,7 @@ of a starter (mbtune.trial.sizing) are read from it.
 
 How. The model is built on torch's meta device (no memory, as a sharded trial builds it),
 and rank 0 of the configuration's N devices takes two steps of the trial protocol
-(mbtune.trial.measure: the same micro-batches, the same loss weighting, AdamW, the
+(mbtune.trial.step: the same micro-batches, the same loss weighting, AdamW, the
 precision's autocast, activation checkpointing where the configuration has it) on *fake*
 tensors: ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) gives every tensor its
 shape, dtype and size and no storage. Of a step's g micro-batches only the first (the
@@ -67,13 +67,6 @@ from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
-from mbtune.trial.measure import (
-    accumulate_gradients,
-    build_spec,
-    full_batch_if_mixing,
-    rank_micro_batches,
-    synced_step,
-)
 from mbtune.trial.precision import Precision
 from mbtune.trial.sharding import (
     fake_process_group,
@@ -81,6 +74,13 @@ from mbtune.trial.sharding import (
     mixed_precision,
     shard,
     shard_units,
+)
+from mbtune.trial.step import (
+    accumulate_gradients,
+    build_spec,
+    full_batch_if_mixing,
+    rank_micro_batches,
+    synced_step,
 )
 
 __all__ = [

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mbtune.config.experiment import Experiment
-from mbtune.config.schema import STATUSES
+from mbtune.config.trial import STATUSES
 from mbtune.errors import MbtuneError
 from mbtune.lattice import SETTINGS, BatchConfig
 from mbtune.progress import PhaseHook

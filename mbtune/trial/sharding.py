@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from mbtune.config.schema import TrialConfig
+from mbtune.config.trial import TrialConfig
 from mbtune.errors import MbtuneError
 from mbtune.lattice import GradSync
 from mbtune.trial.collectives import ProcessGroup

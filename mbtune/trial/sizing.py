@@ -13,8 +13,8 @@ from mbtune.config.experiment import Experiment
 from mbtune.config.starter import Sizing
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.trial.measure import build_spec
 from mbtune.trial.predict import has_cuda, predict_memory
+from mbtune.trial.step import build_spec
 
 __all__ = ["ASSUMED_CARD_BYTES", "MAX_STARTER_DEVICES", "STATE_BYTES_PER_PARAMETER", "size_starter"]
 

@@ -1,0 +1,66 @@
+"""``torch.compile`` as a trial uses it (``trial.compile``, ``trial.compile_mode``,
+``trial.dynamic``): the model compiled, the batch dimension of its micro-batches marked
+dynamic, and a watch for torch's silent fallback to eager at a recompile limit, which the
+trial reports (``compile_fallback``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from mbtune.models.batch import batch_tensors
+
+__all__ = ["FallbackWatch", "compile_model", "fallback_watch", "mark_batch_dynamic"]
+
+
+def compile_model(module: Any, tr: Any) -> Any:
+    # trial.dynamic marks only the batch dimension dynamic (see mark_batch_dynamic), which
+    # compiles one graph for every micro-batch size; dynamic=True would also make every
+    # other size symbolic and merge equal ones ("duck sizing"), so a micro-batch size that
+    # happens to equal seq_len would get a graph of its own
+    import torch
+
+    return torch.compile(module, mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
+
+
+def mark_batch_dynamic(batches: list[Any]) -> None:
+    """Mark the sample dimension of every tensor of every micro-batch dynamic, whatever the
+    batch's form (a tensor, a sequence or a mapping of tensors)."""
+    import torch
+
+    for batch in batches:
+        for t in batch_tensors(batch):
+            torch._dynamo.mark_dynamic(t, 0)
+
+
+class FallbackWatch(logging.Handler):
+    """Catches torch._dynamo's warning that it hit the recompile limit and ran eager."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reason: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "hit config." in message and self.reason is None:
+            limit = re.search(r"hit config\.(\w+) \((\d+)\)", message)
+            what = f"{limit[1]} ({limit[2]})" if limit else "a recompile limit"
+            self.reason = (
+                f"torch.compile hit {what} and ran the model eagerly; set trial.dynamic: true "
+                "to compile once for every micro-batch size"
+            )
+
+
+@contextlib.contextmanager
+def fallback_watch() -> Iterator[FallbackWatch]:
+    watch = FallbackWatch()
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(watch)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
