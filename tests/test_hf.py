@@ -134,6 +134,24 @@ def test_a_config_without_padding_or_end_tokens_builds():
     assert torch.isfinite(spec.loss_fn(spec.module, spec.make_batch(2, CPU)))
 
 
+def test_a_model_whose_class_names_no_loss_gets_its_task_s_without_transformers_warning():
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    transformers.utils.logging.warning_once.cache_clear()  # it warns once a process
+    logger.addHandler(handler)
+    try:
+        spec = build_model("hf:gpt2", tiny("gpt2"))  # GPT2LMHeadModel: transformers finds none
+        loss = spec.loss_fn(spec.module, spec.make_batch(2, CPU))
+    finally:
+        logger.removeHandler(handler)
+    assert spec.module.loss_type == "ForCausalLM" and torch.isfinite(loss)
+    assert [r.getMessage() for r in records if "loss_type" in r.getMessage()] == []
+
+
 def test_the_same_seed_gives_the_same_weights():
     a = build_model("hf:llama", tiny("llama"), seed=3).module.state_dict()
     b = build_model("hf:llama", tiny("llama"), seed=3).module.state_dict()

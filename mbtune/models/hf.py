@@ -63,6 +63,16 @@ _NOT_ARCHITECTURE = ("model_type", "architectures", "transformers_version", "_na
 """Keys of a config.json that are not the model's shape: the weights' dtype among them
 (the model is built in fp32; the trial chooses the precision it measures)."""
 _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+_TASK_LOSSES = {
+    "causal-lm": "ForCausalLM",
+    "masked-lm": "ForMaskedLM",
+    "seq-classification": "ForSequenceClassification",
+    "seq2seq-lm": "ForConditionalGeneration",
+    "image-classification": "ForImageClassification",
+}
+"""task -> transformers' loss for it (a key of its LOSS_MAPPING), for a model whose class
+name names none (gpt2's GPT2LMHeadModel): transformers reads the loss from the class name
+and, where it finds none, warns at the first loss of every model it builds."""
 
 
 def build_hf_model(
@@ -99,6 +109,7 @@ def build_hf_model(
             f"({one_line(exc)})"
         ) from exc
     module.train()
+    _name_the_loss(module, task)
     if activation_checkpointing:
         if not module.supports_gradient_checkpointing:
             raise ModelError(
@@ -255,6 +266,20 @@ def _needed(config: Any, key: str, task: str) -> Any:
             "package.module:function, whose make_batch gives its inputs"
         )
     return value
+
+
+def _name_the_loss(module: nn.Module, task: str) -> None:
+    """The task's loss, where transformers found none in the class's name (it would warn
+    "`loss_type=None` was set in the config but it is unrecognized" and fall back to the
+    causal LM's: for causal-lm, the same loss, without the warning)."""
+    if getattr(module, "loss_type", "") is not None:  # found, or a transformers without it
+        return
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return
+    if _TASK_LOSSES[task] in LOSS_MAPPING:
+        module.loss_type = _TASK_LOSSES[task]
 
 
 def _checkpoint_layers(module: nn.Module) -> None:

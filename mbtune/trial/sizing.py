@@ -6,9 +6,6 @@ mbtune.config, because predicting builds the model with torch.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 from mbtune.config.experiment import Experiment
 from mbtune.config.starter import Sizing
 from mbtune.errors import MbtuneError
@@ -56,8 +53,7 @@ def size_starter(exp: Experiment) -> Sizing:
         trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if sharded else tr
         inputs = dataclasses.replace(t, num_devices=n)
         at = dataclasses.replace(exp, trial=trial, train_input=inputs)
-        with _quiet_transformers():
-            p = predict_memory(at, BatchConfig(t.batch_size, n, 1))
+        p = predict_memory(at, BatchConfig(t.batch_size, n, 1))
         if p.peak_memory_bytes <= usable:
             break
         if n >= MAX_STARTER_DEVICES:
@@ -96,21 +92,6 @@ def size_starter(exp: Experiment) -> Sizing:
 def _gib(nbytes: float) -> str:
     """GiB to a tenth, or MiB below one GiB."""
     return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Without transformers' warnings (its loss's note on every model built from a config):
-    ``mbtune init`` says what it found in its own lines."""
-    import logging
-
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _plural(n: int) -> str:
