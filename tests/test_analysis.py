@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from rundirs import FINISHED_ROWS, finished_run, make_run, trial_row
+from rundirs import FINISHED_ROWS, finished_run, make_run, recommendation_record, trial_row
 
 import mbtune
 from mbtune.analysis import frames as analysis
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
 from mbtune.runs.load import COLUMNS, load_recommendations, load_run, load_runs, run_info
 from mbtune.runs.rundir import TRIAL_COLUMNS
 
@@ -213,6 +214,35 @@ def test_ranked_puts_the_best_first_and_the_failed_last(tmp_path):
     assert table["rank"].tolist()[:4] == [1, 2, 3, 4] and table["rank"].isna().tolist()[4:] == [
         True, True
     ]  # fmt: skip
+
+
+def test_best_is_the_model_s_ranking_where_the_run_wrote_one(tmp_path):
+    """The lucky repeat of another configuration (660 samples/s once) does not outrank the
+    recommendation: the run's ranking (the search model's) orders trials and configurations,
+    the stream's last record while the run goes on, summary.json's once it ended."""
+    rows = [trial_row(32, 2, 8, 630.0), trial_row(32, 2, 4, 660.0), trial_row(32, 2, 8, 640.0),
+            trial_row(32, 2, 4, 560.0), trial_row(32, 1, 8, status="oom")]  # fmt: skip
+    ranking = [
+        {"batch_size": 32, "num_devices": 2, "micro_batch_size": 8,
+         "estimated_samples_per_s": 634.0, "samples_per_s": 634.9, "measurements": 2},
+        {"batch_size": 32, "num_devices": 2, "micro_batch_size": 4,
+         "estimated_samples_per_s": 601.0, "samples_per_s": 607.9, "measurements": 2},
+    ]  # fmt: skip
+    stream = [{**recommendation_record(4, 2, 8, 32, 634.9, 80), "ranking": ranking}]
+    path = make_run(tmp_path, rows, recommendations=stream)
+    df = load_run(path)
+    assert df["model_rank"].tolist()[:4] == [1.0, 2.0, 1.0, 2.0] and math.isnan(df["model_rank"][4])
+    assert df["estimated_samples_per_s"].tolist()[:2] == [634.0, 601.0]
+    table = analysis.ranked(df)
+    assert table["trial"].tolist() == [3, 1, 2, 4, 5]  # the recommendation's trials first
+    assert analysis.recommendation(df, run_info(path)).config == BatchConfig(32, 2, 8)
+    best = analysis.best_per_config(df)
+    assert best["micro_batch_size"].tolist() == [8, 4, 8]  # model's order; the fastest each
+    assert best["samples_per_s"].tolist()[:2] == [640.0, 660.0]
+    # once the run ended, summary.json's ranking is the one read
+    (path / "summary.json").write_text(json.dumps({"status": "finished",
+                                                   "ranking": ranking[::-1]}))  # fmt: skip
+    assert analysis.ranked(load_run(path))["trial"].tolist()[:2] == [2, 4]
 
 
 def test_ranked_follows_the_objective_not_the_raw_throughput(tmp_path):

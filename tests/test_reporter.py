@@ -171,3 +171,26 @@ def test_a_tie_is_in_the_stream_the_summary_and_its_table_starts_with_the_recomm
     assert summary["recommended"] == top
     lines = summary_lines(rows, summary, Path("runs/x"))
     assert any(line.startswith("  a tie within ") for line in lines)
+
+
+def test_the_stream_and_the_summary_carry_one_ranking_the_recommendation_first():
+    """The one order of "best" (reporter.ranking): every configuration measured ok, the
+    recommendation first, then by the model's estimate, in samples/s; the stream's records
+    and summary.json carry it, so watch and analyze read it rather than rank again."""
+    reporter = Reporter(POINTS)
+    records = [row(1, 8, 300.0), row(2, 8, 610.0), row(2, 4, 560.0), row(2, 8, 590.0),
+               row(2, 16, None, "oom")]  # fmt: skip
+    rec = reporter.update(records)
+    ranking = rec.record()["ranking"]
+    assert BatchConfig.from_mapping(ranking[0]) == rec.config == BatchConfig(32, 2, 8)
+    assert [(e["num_devices"], e["micro_batch_size"]) for e in ranking] == [(2, 8), (2, 4),
+                                                                             (1, 8)]  # fmt: skip
+    assert ranking[0]["measurements"] == 2 and ranking[1]["measurements"] == 1
+    estimates = [e["estimated_samples_per_s"] for e in ranking]
+    assert estimates[1] > estimates[2] and all(e > 0 for e in estimates)
+    summary = reporter.summary(records, "finished", [rec.record()])
+    assert summary["ranking"] == ranking
+    assert BatchConfig.from_mapping(summary["ranking"][0]) == BatchConfig.from_mapping(
+        summary["recommended"]
+    )
+    json.dumps(summary)  # as summary.json holds it

@@ -54,18 +54,29 @@ def test_each_appended_row_is_an_update_and_a_torn_one_is_none(tmp_path):
     ]
     assert w.poll() is None  # nothing changed: nothing to show
     run.append_trial({"trial": 1, "trial_id": "t1", **trial_row(32, 1, 4, 300.0)})
-    assert w.poll()[2:] == [
+    assert w.poll()[2:] == [  # no table of the best before the model ranks them
         "trials      [##............................] 1 of 20",
         "confidence  [..............................] 0 of target 90",
-        "best configurations:",
-        "  rank  num_devices  batch_size  micro_batch_size  grad_accum   samples/s  looks",
-        "     1            1          32                 4           8       300.0      1",
     ]
-    run.append_recommendation(recommendation_record(1, 1, 4, 32, 300.0, 10))
-    assert w.poll()[1] == (
+    ranking = [  # the stream's order of "best", which need not follow the raw throughput
+        {"batch_size": 32, "num_devices": 1, "micro_batch_size": 4,
+         "estimated_samples_per_s": 290.5, "samples_per_s": 300.0, "measurements": 2},
+        {"batch_size": 32, "num_devices": 2, "micro_batch_size": 8,
+         "estimated_samples_per_s": 280.0, "samples_per_s": 310.0, "measurements": 1},
+    ]  # fmt: skip
+    run.append_recommendation({**recommendation_record(1, 1, 4, 32, 300.0, 10),
+                               "ranking": ranking})  # fmt: skip
+    view = w.poll()
+    assert view[1] == (
         "mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 1, batch_size: 32), "
         "estimated performance: 3.00x base, confidence score: 10 (out of 100)"
     )
+    assert view[4:] == [
+        "best configurations:",
+        "  rank  num_devices  batch_size  micro_batch_size  grad_accum  est. samples/s  looks",
+        "     1            1          32                 4           8           290.5      2",
+        "     2            2          32                 8           2           280.0      1",
+    ]
     tie = {"members": [{"batch_size": 32, "num_devices": 1, "micro_batch_size": m}
                        for m in (4, 8)], "width": 0.012, "probability": 0.93,
            "rule": "the rule", "sure": []}  # fmt: skip
@@ -171,3 +182,12 @@ def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert views[-1][-1].startswith(f"the run has ended ({summary['status']})")
     assert len(views) > 1  # it showed the run before it ended
+    # one "best": summary.json, watch's table and analyze's first row name one configuration
+    first = views[-1][views[-1].index("best configurations:") + 2].split()
+    recommended = summary["recommended"]
+    sizes = [recommended[k] for k in ("num_devices", "batch_size", "micro_batch_size")]
+    assert [int(x) for x in first[1:4]] == sizes
+    assert main(["analyze", str(run), "--format", "json", "--no-plots"]) == 0
+    top = json.loads(capsys.readouterr().out)[0]
+    assert [top[k] for k in ("num_devices", "batch_size", "micro_batch_size")] == sizes
+    assert top["model_rank"] == 1 and top["estimated_samples_per_s"] > 0

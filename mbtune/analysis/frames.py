@@ -77,12 +77,19 @@ def status_counts(trials: pd.DataFrame) -> dict[str, int]:
 
 
 def ranked(trials: pd.DataFrame) -> pd.DataFrame:
-    """The ok trials best first by objective (then the earlier trial), then every failed
-    trial in trial order; ``rank`` (1, 2, ... ; NA for a failed trial) comes first."""
+    """The ok trials best first, then every failed trial in trial order; ``rank`` (1, 2,
+    ... ; NA for a failed trial) comes first. Best is the one order of "best" the run
+    wrote (``model_rank``: its recommendation first, then by the search model's
+    estimate, as the stream, summary.json and ``mbtune watch`` have it); within a
+    configuration, and where the run ranked none, by the trial's objective (then the
+    earlier trial)."""
     score = trials["objective"].where(trials["objective"] > 0, trials["samples_per_s"])
     ok = trials["status"].eq("ok") & score.notna()
-    order = pd.DataFrame({"ok": ~ok, "score": -score.fillna(0.0), "trial": trials["trial"]})
-    out = trials.loc[order.sort_values(["ok", "score", "trial"], kind="stable").index]
+    model = trials["model_rank"] if "model_rank" in trials else pd.Series(np.nan, trials.index)
+    order = pd.DataFrame({"ok": ~ok, "model": model.fillna(np.inf),
+                          "score": -score.fillna(0.0), "trial": trials["trial"]})  # fmt: skip
+    keys = ["ok", "model", "score", "trial"]
+    out = trials.loc[order.sort_values(keys, kind="stable").index]
     out = out.reset_index(drop=True)
     rank = pd.array([*range(1, int(ok.sum()) + 1), *[pd.NA] * int((~ok).sum())], dtype="Int64")
     out.insert(0, "rank", rank)
@@ -96,15 +103,20 @@ def ranked_ok(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_per_config(trials: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration (``CONFIG_KEY``: batch_size, num_devices,
-    micro_batch_size, activation_checkpointing): its fastest ok trial, or, where none was
-    ok, its first trial (with its status)."""
+    """One row per configuration (``CONFIG_KEY``: every searched dimension): its fastest
+    ok trial (its ``samples_per_s``, the fastest single measurement), or, where none was
+    ok, its first trial (with its status); with ``model_rank`` and
+    ``estimated_samples_per_s`` where the run ranked it. Ordered as the run ranked them
+    (the one order of "best": :func:`ranked`), then by the dimensions."""
     if trials.empty:
         return trials.copy()
     order = trials.assign(_ok=trials["status"].ne("ok"), _speed=-trials["samples_per_s"])
     order = order.sort_values(["_ok", "_speed", "trial"], na_position="last", kind="stable")
     out = order.drop_duplicates(list(CONFIG_KEY)).drop(columns=["_ok", "_speed"])
-    return out.sort_values(list(CONFIG_KEY)[::-1]).reset_index(drop=True)
+    out = out.sort_values(list(CONFIG_KEY)[::-1])
+    if "model_rank" in out:
+        out = out.sort_values("model_rank", na_position="last", kind="stable")
+    return out.reset_index(drop=True)
 
 
 def repeat_spread(trials: pd.DataFrame) -> pd.DataFrame:

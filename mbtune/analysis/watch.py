@@ -4,7 +4,8 @@ It reads only what the run directory holds (experiment.yaml, trials.csv through 
 reader, recommendations.jsonl, summary.json), never Ray, so it follows a search running on
 another machine of a shared filesystem as well as one here, or shows a finished one. It
 polls the files: what it shows is the stream's current recommendation line, the best
-configurations so far, and two bars, the trials against ``search.num_samples`` and the
+configurations so far (as the stream's latest record ranks them: the one order of
+"best"), and two bars, the trials against ``search.num_samples`` and the
 confidence score against ``search.confidence_target``. On a terminal the view is redrawn
 in place; elsewhere (a log, a pipe) a plain copy is printed each time it changes. It ends,
 with exit code 0, once the run's summary.json is written, or on Ctrl-C.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -78,7 +78,7 @@ def view_lines(view: RunView) -> list[str]:
     else:  # the score is 0..99: a target of 100 is never reached
         lines.append(f"confidence  {_bar(confidence, 99)} {confidence} (no target: runs to the "
                      f"budget)")  # fmt: skip
-    lines += _best_table(view.records)
+    lines += _best_table(rec.get("ranking") or [] if rec is not None else [])
     if view.summary_status is not None:
         lines.append(f"the run has ended ({view.summary_status}): {view.path / SUMMARY_FILE}")
     return lines
@@ -101,39 +101,33 @@ def _bar(done: float, whole: float) -> str:
     return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
 
 
-def _best_table(records: Sequence[TrialRecord]) -> list[str]:
-    """The best configurations so far, by the objective: each one's ok trials pooled
-    (geometric mean, as the recommendation pools them), with how often it was measured."""
-    groups: dict[BatchConfig, list[TrialRecord]] = {}
-    for r in records:
-        if r.status == "ok" and r.objective:
-            groups.setdefault(r.config, []).append(r)
-    if not groups:
+def _best_table(ranking: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The best configurations so far, in the one order of "best": the stream's latest
+    ranking (mbtune.recommend.reporter.ranking: the recommendation first, then by the
+    model's estimate), with the model's estimate of each one's samples/s and how often it
+    was measured. Nothing before the first recommendation."""
+    ranked = [(BatchConfig.from_mapping(e), e) for e in ranking]
+    if not ranked:
         return []
-
-    def pooled(group: list[TrialRecord], key: str) -> float | None:
-        values = [getattr(r, key) for r in group if getattr(r, key)]
-        return statistics.geometric_mean(values) if values else None
-
-    ranked = sorted(groups.items(), key=lambda item: -(pooled(item[1], "objective") or 0.0))
     # a setting of a step only where a configuration has it off its default
     default = BatchConfig(1, 1, 1)
+    configs = [c for c, _ in ranked]
     shown_settings = [(key, label) for key, label in _SETTING_LABELS
-                      if any(getattr(c, key) != getattr(default, key) for c in groups)]  # fmt: skip
+                      if any(getattr(c, key) != getattr(default, key) for c in configs)]
     ckpt = "".join(f"  {label:>{len(label)}}" for _, label in shown_settings)
     lines = ["best configurations:",
              f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}"
-             f"{ckpt}  {'grad_accum':>10}  {'samples/s':>10}  {'looks':>5}"]  # fmt: skip
-    for i, (c, group) in enumerate(ranked[:TOP], start=1):
-        speed = pooled(group, "samples_per_s")
-        shown = f"{speed:,.1f}" if speed is not None else "-"
+             f"{ckpt}  {'grad_accum':>10}  {'est. samples/s':>14}  {'looks':>5}"]  # fmt: skip
+    for i, (c, entry) in enumerate(ranked[:TOP], start=1):
+        speed = entry.get("estimated_samples_per_s")
+        shown = f"{speed:,.1f}" if isinstance(speed, int | float) else "-"
         on = "".join(
             f"  {_setting_word(key, getattr(c, key)):>{len(label)}}"
             for key, label in shown_settings
         )
         lines.append(
             f"  {i:>4}  {c.num_devices:>11}  {c.batch_size:>10}  {c.micro_batch_size:>16}{on}"
-            f"  {c.grad_accum_steps:>10}  {shown:>10}  {len(group):>5}"
+            f"  {c.grad_accum_steps:>10}  {shown:>14}  {entry.get('measurements', 1):>5}"
         )
     return lines
 

@@ -28,7 +28,7 @@ from mbtune.recommend.confidence import Assessment, SearchModel, observation
 from mbtune.report import stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 
-__all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config"]
+__all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config", "ranking"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class StreamRecommendation:
     (mbtune.recommend.confidence.Tie), which stops it."""
     drift: float | None = None
     """The relative drift between trials the score allowed for."""
+    ranking: tuple[dict[str, Any], ...] = ()
+    """Every configuration measured ok, best first as the recommendation ranks them
+    (:func:`ranking`): what ``mbtune watch`` and ``mbtune analyze`` rank by."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class StreamRecommendation:
             "precision": self.precision,
             "mfu": self.mfu,
             **({"tie": self.tie} if self.tie else {}),
+            "ranking": list(self.ranking),
         }
 
     def line(self) -> str:
@@ -130,6 +134,7 @@ class Reporter:
             mfu=_float(best.mfu),
             tie=a.tie.record() if a.tie else None,
             drift=a.drift,
+            ranking=tuple(ranking(records, a)),
         )
         return rec
 
@@ -146,6 +151,7 @@ class Reporter:
         pooled = per_config(records)
         ok = sorted(pooled.values(), key=lambda p: _rank(p, a))
         out["top"] = [_brief(p, a) for p in ok[:5]]
+        out["ranking"] = ranking(records, a)
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
@@ -219,6 +225,24 @@ def _rank(p: Pooled, a: Assessment) -> tuple:
     if c == a.recommended:
         return (0, 0)
     return (1, -a.estimate.get(c, p.record.objective))
+
+
+def ranking(records: Sequence[TrialRecord], a: Assessment) -> list[dict[str, Any]]:
+    """The one order of "best": every configuration measured ok, the recommendation first
+    (a tie's members in the tie's order), then by the model's estimate; each with its
+    sizes, the model's estimate of its samples/s, its measurements pooled (geometric
+    mean) and how many there were. The stream's records and summary.json carry it, and
+    ``mbtune watch``, ``mbtune analyze`` and the frame's helpers read it back."""
+    pooled = sorted(per_config(records).values(), key=lambda p: _rank(p, a))
+    return [
+        {
+            **p.record.config.canonical().sizes(),
+            "estimated_samples_per_s": _estimated_samples_per_s(p, a),
+            "samples_per_s": _float(p.record.samples_per_s),
+            "measurements": p.measurements,
+        }
+        for p in pooled
+    ]
 
 
 def _estimated_samples_per_s(p: Pooled, a: Assessment | None) -> float | None:

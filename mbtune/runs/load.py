@@ -30,6 +30,7 @@ import pandas as pd
 from mbtune.config.experiment import Experiment
 from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig
 from mbtune.runs import record
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
@@ -41,10 +42,17 @@ __all__ = [
     "load_run",
     "load_run_experiment",
     "load_runs",
+    "ranking",
     "run_info",
 ]
 
-COLUMNS = tuple(c.name for c in record.COLUMNS)
+MODEL_COLUMNS = ("model_rank", "estimated_samples_per_s")
+"""What the search's model says of each trial's configuration, as the run's latest
+recommendation ranked them (its ``ranking``: summary.json's, or the stream's last record
+while the run goes on): its place, 1 for the recommendation, and its estimated samples/s.
+NaN where the run ranked none (a failed configuration, a run from before rankings)."""
+
+COLUMNS = (*(c.name for c in record.COLUMNS), *MODEL_COLUMNS)
 """The columns of :func:`load_run`, in order (a newer trials.csv may add more after)."""
 
 try:
@@ -71,7 +79,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
         )
     trials = read_trials(run.trials_file)
     stages = _experiment(run).train_input.pipeline_stages
-    frame = _typed_frame(trials.header, trials.records, stages)
+    frame = _typed_frame(trials.header, trials.records, stages, ranking(run.path))
     frame.attrs["dropped_rows"] = trials.dropped
     return frame
 
@@ -99,7 +107,10 @@ def load_runs(run_dirs: Iterable[str | Path]) -> pd.DataFrame:
 
 
 def _typed_frame(
-    header: Sequence[str], records: Sequence[TrialRecord], pipeline_stages: int
+    header: Sequence[str],
+    records: Sequence[TrialRecord],
+    pipeline_stages: int,
+    ranked: Sequence[Mapping[str, Any]] = (),
 ) -> pd.DataFrame:
     """The records as the typed columns of COLUMNS (then a newer trials.csv's own, as
     text); what an older run did not record is completed from the sizes and the
@@ -123,11 +134,27 @@ def _typed_frame(
             )
         else:
             columns[c.name] = _text(values)
+    columns.update(_model_columns(records, ranked))
     for name in header:  # columns a newer trials.csv may add: kept as text
         if name not in columns:
             cells = [dict(r.extras).get(name, "").strip() or None for r in records]
             columns[name] = _text(cells)
     return pd.DataFrame(columns)
+
+
+def _model_columns(
+    records: Sequence[TrialRecord], ranked: Sequence[Mapping[str, Any]]
+) -> dict[str, pd.Series]:
+    """:data:`MODEL_COLUMNS` for each record: its canonical configuration's place in the
+    run's ranking and the model's estimate of its samples/s."""
+    place = {BatchConfig.from_mapping(e): (float(i), e.get("estimated_samples_per_s"))
+             for i, e in enumerate(ranked, start=1)}  # fmt: skip
+    found = [place.get(r.config.canonical(), (np.nan, None)) for r in records]
+    estimates = [np.nan if e is None else float(e) for _, e in found]
+    return {
+        "model_rank": pd.Series([i for i, _ in found], dtype="float64"),
+        "estimated_samples_per_s": pd.Series(estimates, dtype="float64"),
+    }
 
 
 _COMPLETED = ("per_device_batch", "grad_accum_steps", "pipeline_stages")
@@ -219,6 +246,19 @@ def run_info(run_dir: str | Path) -> RunInfo:
         summary=_summary(run),
         recommendations=load_recommendations(run.path),
     )
+
+
+def ranking(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The one order of "best" the run wrote (mbtune.recommend.reporter.ranking):
+    summary.json's, else the stream's last record's while the run goes on; empty where
+    it wrote none."""
+    run = RunDir(Path(run_dir))
+    summary = _summary(run) or {}
+    ranked = summary.get("ranking")
+    if not isinstance(ranked, list) and run.recommendations_file.is_file():
+        stream = run.recommendations()
+        ranked = stream[-1].get("ranking") if stream else None
+    return [e for e in ranked if isinstance(e, Mapping)] if isinstance(ranked, list) else []
 
 
 def _summary(run: RunDir) -> dict[str, Any] | None:
