@@ -10,7 +10,8 @@ Pure integer arithmetic (no torch, no ray), in the vocabulary of docs/design.md:
 
 A configuration is *strictly valid* (what Cerebras requires of an explicit
 micro_batch_size) when B >= n, B % n == 0 and (B / n) % m == 0. Uneven splits are
-allowed only where the mode or ``allow_uneven`` says so.
+allowed only where the mode or ``allow_uneven`` says so. The rules in words, for a person,
+with the nearest values that keep them, are mbtune.config.train_input's.
 """
 
 from __future__ import annotations
@@ -34,14 +35,11 @@ __all__ = [
     "LatticeError",
     "bubble_fraction",
     "canonical_micro_batch_size",
-    "check_batch_size",
-    "check_micro_batch_size",
     "divisors",
     "enumerate_configs",
     "even_split",
     "grad_accum_steps",
     "is_strictly_valid",
-    "nearest_batch_sizes_text",
     "nearest_valid_batch_sizes",
     "per_device_batch",
     "valid_micro_batch_sizes",
@@ -160,99 +158,6 @@ def nearest_valid_batch_sizes(
     below = (batch_size // step) * step
     above = -(-batch_size // step) * step
     return (below if below > 0 else None), max(above, step)
-
-
-def nearest_batch_sizes_text(
-    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
-    allow_uneven: bool = False,
-) -> str:  # fmt: skip
-    """'nearest valid batch_size for micro_batch_size 4: 96 (below) or 108 (above)', the
-    phrase every message uses; ``micro_batch_size`` None: a mode chooses m, so B need only
-    split evenly over n."""
-    m = micro_batch_size or 1
-    below, above = nearest_valid_batch_sizes(batch_size, num_devices, m, allow_uneven=allow_uneven)
-    for_m = f" for micro_batch_size {micro_batch_size}" if micro_batch_size else ""
-    return f"nearest valid batch_size{for_m}: {_below_above(below, above)}"
-
-
-def check_batch_size(
-    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
-    allow_uneven: bool = False, offer_uneven: bool = False,
-) -> None:  # fmt: skip
-    """Raise LatticeError where B < n or, unless ``allow_uneven``, B % n != 0.
-
-    The message names the rule, both numbers, and the nearest batch sizes (for B < n also
-    the device counts) that satisfy every rule with the micro-batch size too (None: a mode
-    chooses m). ``offer_uneven``: the caller may set allow_uneven; the message says so
-    where that alone makes these sizes valid.
-    """
-    b, n, m = batch_size, num_devices, micro_batch_size
-    if b < n:
-        devices = _valid_devices_text(b, m, allow_uneven)
-        raise LatticeError(
-            f"batch_size {b} is smaller than num_devices {n}: every device needs at least "
-            f"one sample; {nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)}"
-            + (f"; {devices}" if devices else "")
-        )
-    if b % n and not allow_uneven:
-        uneven_runs = offer_uneven and (m is None or m <= per_device_batch(b, n))
-        raise LatticeError(
-            f"batch_size {b} is not divisible by num_devices {n}; "
-            f"{nearest_batch_sizes_text(b, n, m)}" + _UNEVEN_HINT * uneven_runs
-        )
-
-
-def check_micro_batch_size(
-    batch_size: int, num_devices: int, micro_batch_size: int, *,
-    allow_uneven: bool = False, offer_uneven: bool = False,
-) -> None:  # fmt: skip
-    """Raise LatticeError where m > P or, unless ``allow_uneven``, P % m != 0; (B, n) has
-    passed :func:`check_batch_size` with the same ``allow_uneven``.
-
-    The message names the rule, both numbers, the nearest batch sizes for this m and the
-    micro-batch sizes for this B that satisfy every rule; ``offer_uneven`` as there.
-    """
-    b, n, m = batch_size, num_devices, micro_batch_size
-    p = per_device_batch(b, n)
-    valid_b = nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)
-    # with allow_uneven every m up to P runs; P can be 2**31: name the range, never list it
-    valid_m = _span(p) if allow_uneven else ", ".join(map(str, valid_micro_batch_sizes(b, n)))
-    sizes = f"the per-device batch {p} (batch_size {b} / num_devices {n})"
-    if m > p:
-        raise LatticeError(
-            f"micro_batch_size {m} exceeds {sizes}; {valid_b}; valid micro_batch_size for "
-            f"batch_size {b}: {valid_m}"
-        )
-    if p % m and not allow_uneven:
-        raise LatticeError(
-            f"micro_batch_size {m} does not divide {sizes}; {valid_b}; valid micro_batch_size "
-            f"for batch_size {b}: {valid_m}" + _UNEVEN_HINT * offer_uneven
-        )
-
-
-_UNEVEN_HINT = " (or set allow_uneven: true)"
-
-
-def _valid_devices_text(batch_size: int, micro_batch_size: int | None, allow_uneven: bool) -> str:
-    """The device counts that run ``batch_size`` with m (None: a mode chooses it), as a
-    phrase; empty where none does."""
-    b, m = batch_size, micro_batch_size
-    if allow_uneven:  # m <= ceil(B / n), that is n <= (B - 1) / (m - 1): a range from 1
-        most = b if not m or m == 1 else min(b, (b - 1) // (m - 1))
-        values = _span(most)
-    else:
-        values = ", ".join(map(str, valid_num_devices(b, m)))
-    for_m = f" and micro_batch_size {m}" if m else ""
-    return f"valid num_devices for batch_size {b}{for_m}: {values}" if values else ""
-
-
-def _span(most: int) -> str:
-    """1..most, named without listing it (empty where most < 1)."""
-    return "" if most < 1 else "1" if most == 1 else f"1..{most}"
-
-
-def _below_above(below: int | None, above: int) -> str:
-    return f"{above} (above)" if below is None else f"{below} (below) or {above} (above)"
 
 
 # ---------------------------------------------------------------------------

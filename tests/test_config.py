@@ -13,8 +13,9 @@ from mbtune.config.load import (
     parse_experiment,
 )
 from mbtune.config.rules import ConfigError, parse_memory
-from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig, TrainInput
+from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import DEFAULT_SPACE, IntRange, SearchConfig, SpaceConfig, StartPoint
+from mbtune.config.train_input import TrainInput
 from mbtune.config.trial import TrialConfig
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig

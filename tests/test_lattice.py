@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mbtune import lattice
+from mbtune.config.train_input import check_batch_size, check_micro_batch_size
 from mbtune.lattice import BatchConfig, LatticeError
 
 
@@ -92,18 +93,18 @@ def test_the_strict_rules_name_rule_numbers_and_valid_values():
         r"num_devices 2\); nearest valid batch_size for micro_batch_size 5: 60 \(below\) or "
         r"70 \(above\); valid micro_batch_size for batch_size 64: 1, 2, 4, 8, 16, 32$",
     ):
-        lattice.check_micro_batch_size(64, 2, 5)
+        check_micro_batch_size(64, 2, 5)
     with pytest.raises(LatticeError, match=r"^batch_size 65 is not divisible by num_devices 2; "
                        r"nearest valid batch_size for micro_batch_size 1: 64 \(below\) or 66 "
                        r"\(above\)$"):  # fmt: skip
-        lattice.check_batch_size(65, 2, 1)
+        check_batch_size(65, 2, 1)
     with pytest.raises(LatticeError, match=r"^batch_size 2 is smaller than num_devices 4: every "
                        r"device needs at least one sample; nearest valid batch_size for "
                        r"micro_batch_size 1: 4 \(above\); valid num_devices for batch_size 2 and "
                        r"micro_batch_size 1: 1, 2$"):  # fmt: skip
-        lattice.check_batch_size(2, 4, 1)
-    lattice.check_batch_size(64, 2, 8)
-    lattice.check_micro_batch_size(64, 2, 8)
+        check_batch_size(2, 4, 1)
+    check_batch_size(64, 2, 8)
+    check_micro_batch_size(64, 2, 8)
 
 
 @pytest.mark.parametrize(
@@ -128,16 +129,16 @@ def test_the_strict_rules_name_rule_numbers_and_valid_values():
 )  # fmt: skip
 def test_check_batch_size_names_values_that_pass_every_rule(sizes, message):
     with pytest.raises(LatticeError, match=f"^{re.escape(message)}$"):
-        lattice.check_batch_size(*sizes, offer_uneven=True)
+        check_batch_size(*sizes, offer_uneven=True)
 
 
 @pytest.mark.parametrize(
     ("check", "sizes", "message"),
     [
-        (lattice.check_batch_size, (10, 12, 4), "batch_size 10 is smaller than num_devices 12: "
+        (check_batch_size, (10, 12, 4), "batch_size 10 is smaller than num_devices 12: "
          "every device needs at least one sample; nearest valid batch_size for micro_batch_size "
          "4: 37 (above); valid num_devices for batch_size 10 and micro_batch_size 4: 1..3"),
-        (lattice.check_micro_batch_size, (10, 3, 8), "micro_batch_size 8 exceeds the per-device "
+        (check_micro_batch_size, (10, 3, 8), "micro_batch_size 8 exceeds the per-device "
          "batch 4 (batch_size 10 / num_devices 3); nearest valid batch_size for micro_batch_size "
          "8: 22 (above); valid micro_batch_size for batch_size 10: 1..4"),
     ],
@@ -145,13 +146,13 @@ def test_check_batch_size_names_values_that_pass_every_rule(sizes, message):
 def test_uneven_splits_name_ranges_of_valid_values(check, sizes, message):
     with pytest.raises(LatticeError, match=f"^{re.escape(message)}$"):
         check(*sizes, allow_uneven=True)
-    lattice.check_micro_batch_size(10, 3, 3, allow_uneven=True)
+    check_micro_batch_size(10, 3, 3, allow_uneven=True)
 
 
 def test_a_huge_batch_is_named_as_a_range_not_listed():
     with pytest.raises(LatticeError, match=r"valid micro_batch_size for batch_size 2147483647: "
                        r"1\.\.2147483647$"):  # fmt: skip
-        lattice.check_micro_batch_size(2**31 - 1, 1, 2**31, allow_uneven=True)
+        check_micro_batch_size(2**31 - 1, 1, 2**31, allow_uneven=True)
 
 
 # -- pipelines --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from test_export import READ_BACK
 from mbtune import lattice
 from mbtune.analysis import export
 from mbtune.config.rules import ConfigError
-from mbtune.config.schema import TrainInput
+from mbtune.config.train_input import TrainInput
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.reporter import Reporter
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from mbtune import lattice
 from mbtune.config.rules import ConfigError, check_fields
-from mbtune.config.schema import ModelConfig, PlanConfig, RayConfig, TrainInput, lattice_rule
+from mbtune.config.schema import ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import IntRange, SearchConfig, SpaceConfig
+from mbtune.config.train_input import TrainInput, lattice_rule
 from mbtune.config.trial import TrialConfig, unsharded_rule
 from mbtune.lattice import MAX_CONFIGS, SETTINGS, BatchConfig
 

@@ -24,8 +24,9 @@ import yaml
 from mbtune.config.experiment import Experiment
 from mbtune.config.model_options import did_you_mean
 from mbtune.config.rules import ConfigError, field_kinds, kind_of, parse_memory, show
-from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig, TrainInput
+from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import IntRange, SearchConfig, SpaceConfig, StartPoint
+from mbtune.config.train_input import TrainInput
 from mbtune.config.trial import TrialConfig
 
 if TYPE_CHECKING:

@@ -4,19 +4,18 @@ Every choice is a ``Literal``, every default is stated once (on its field) and e
 runs in ``__post_init__``: a section built in code refuses what the YAML refuses, with the
 same one-line :class:`~mbtune.config.rules.ConfigError`. mbtune.config.load only turns YAML into
 these types; mbtune.config.experiment joins them into an Experiment. Here: ``model:``,
-``train_input:``, ``ray:`` and ``plan:``; the two large ones in modules of their own,
-``search:`` (mbtune.config.search) and ``trial:`` (mbtune.config.trial).
+``ray:`` and ``plan:``; the others in modules of their own: ``train_input:``
+(mbtune.config.train_input), ``search:`` (mbtune.config.search) and ``trial:``
+(mbtune.config.trial).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from mbtune import lattice
 from mbtune.config.model_options import (
     MODEL_OPTIONS,
     check_model_name,
@@ -34,7 +33,6 @@ from mbtune.config.rules import (
     number,
     show,
 )
-from mbtune.lattice import BatchConfig, LatticeError
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -44,22 +42,9 @@ __all__ = [
     "ModelConfig",
     "PlanConfig",
     "RayConfig",
-    "TrainInput",
-    "lattice_rule",
 ]
 
-MicroBatchMode = Literal["auto", "explore", "none"]
-"""lattice.MODES: how a search chooses m when train_input does not fix it."""
 BUILTIN_MODELS = tuple(MODEL_OPTIONS)
-
-
-@contextmanager
-def lattice_rule(where: str) -> Iterator[None]:
-    """Report a broken lattice rule as a config error at ``where``."""
-    try:
-        yield
-    except LatticeError as e:
-        raise ConfigError(where, str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,83 +73,6 @@ class ModelConfig:
     @property
     def is_builtin(self) -> bool:
         return self.name in BUILTIN_MODELS
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainInput:
-    """The user's own configuration: the reference for "faster than yours"."""
-
-    batch_size: int = number()
-    """Global batch B: samples per optimizer step, all devices together."""
-    micro_batch_size: int | MicroBatchMode = number("auto", also="'auto', 'explore' or 'none'")
-    """A positive int (use exactly this m), ``none``, ``auto`` or ``explore``."""
-    num_devices: int = number(1)
-    """Data-parallel devices n (YAML also accepts the Cerebras spelling ``num_csx``)."""
-    allow_uneven: bool = False
-    """Allow splits that differ by one sample where strict validity would refuse them."""
-    pipeline_stages: int = number(1)
-    """Pipeline stages p; p > 1 adds Megatron's bubble (p - 1) / micro-batches."""
-
-    def __post_init__(self) -> None:
-        check_fields(self, "train_input")
-        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
-        fixed = m if isinstance(m, int) else None
-        uneven_ok = self.allow_uneven or m == "explore"
-        if self.pipeline_stages > 1 and uneven_ok:  # first: what else it says assumes p = 1
-            raise ConfigError(
-                "train_input.pipeline_stages" if m == "explore" else "train_input.allow_uneven",
-                (
-                    f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches"
-                    if m == "explore"
-                    else "uneven splits cannot be pipelined: Megatron requires batch_size = "
-                    "num_devices x micro_batch_size x micro-batches"
-                )
-                + f"; {self._even_pipeline_fix()}",
-            )
-        # auto tries the divisors of P only, and a pipeline splits evenly: there
-        # allow_uneven makes no uneven split run, so no message offers it
-        offer_uneven = m != "auto" and self.pipeline_stages == 1
-        if b < n or (b % n and not uneven_ok):
-            with lattice_rule("train_input.batch_size"):
-                lattice.check_batch_size(
-                    b, n, fixed, allow_uneven=uneven_ok and m != "auto", offer_uneven=offer_uneven
-                )
-        if fixed is not None:
-            with lattice_rule("train_input.micro_batch_size"):
-                lattice.check_micro_batch_size(
-                    b, n, fixed, allow_uneven=uneven_ok, offer_uneven=offer_uneven
-                )
-
-    def _even_pipeline_fix(self) -> str:
-        """What makes an uneven-split mode valid with a pipeline: the even mode and sizes it
-        needs, or one stage where the sizes run unevenly."""
-        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
-        fixed = m if isinstance(m, int) else None
-        p = lattice.per_device_batch(b, n)
-        even = b >= n and b % n == 0 and (fixed is None or p % fixed == 0)
-        changes = ["micro_batch_size: auto or none"] * (m == "explore")
-        changes += ["allow_uneven: false"] * self.allow_uneven
-        fix = "set " + " and ".join(changes)
-        if not even:
-            fix += f" with {lattice.nearest_batch_sizes_text(b, n, fixed)}"
-        if b >= n and (fixed is None or fixed <= p) and (m != "auto" or even):
-            fix += ", or set pipeline_stages: 1"
-        return fix
-
-    @property
-    def mode(self) -> str:
-        """``int``, ``none``, ``auto`` or ``explore``."""
-        return "int" if isinstance(self.micro_batch_size, int) else self.micro_batch_size
-
-    @property
-    def config(self) -> BatchConfig | None:
-        """The user's own (B, n, m), where the mode fixes m."""
-        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
-        if isinstance(m, int):
-            return BatchConfig(b, n, m)
-        if m == "none":
-            return BatchConfig(b, n, lattice.per_device_batch(b, n))
-        return None
 
 
 @dataclass(frozen=True, kw_only=True)

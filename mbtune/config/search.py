@@ -18,7 +18,7 @@ from mbtune.config.rules import (
     number,
     show,
 )
-from mbtune.config.schema import lattice_rule
+from mbtune.config.train_input import lattice_rule
 from mbtune.lattice import GRAD_SYNCS, MAX_CONFIGS, SETTINGS, BatchConfig, GradSync
 
 __all__ = [

@@ -1,0 +1,218 @@
+"""The train_input section, ``train_input:``: the user's own configuration (the batch, the
+devices and the micro-batch mode), the reference for "faster than yours"; and the lattice's
+rules as a person reads them: the rule a size breaks, both numbers, and the nearest values
+that keep every rule (mbtune.lattice's arithmetic), raised as LatticeError and reported at
+the field that broke it (:func:`lattice_rule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+from mbtune import lattice
+from mbtune.config.rules import ConfigError, check_fields, number
+from mbtune.lattice import (
+    BatchConfig,
+    LatticeError,
+    nearest_valid_batch_sizes,
+    per_device_batch,
+    valid_micro_batch_sizes,
+    valid_num_devices,
+)
+
+__all__ = [
+    "TrainInput",
+    "check_batch_size",
+    "check_micro_batch_size",
+    "lattice_rule",
+    "nearest_batch_sizes_text",
+]
+
+MicroBatchMode = Literal["auto", "explore", "none"]
+"""lattice.MODES: how a search chooses m when train_input does not fix it."""
+
+
+@contextmanager
+def lattice_rule(where: str) -> Iterator[None]:
+    """Report a broken lattice rule as a config error at ``where``."""
+    try:
+        yield
+    except LatticeError as e:
+        raise ConfigError(where, str(e)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainInput:
+    """The user's own configuration: the reference for "faster than yours"."""
+
+    batch_size: int = number()
+    """Global batch B: samples per optimizer step, all devices together."""
+    micro_batch_size: int | MicroBatchMode = number("auto", also="'auto', 'explore' or 'none'")
+    """A positive int (use exactly this m), ``none``, ``auto`` or ``explore``."""
+    num_devices: int = number(1)
+    """Data-parallel devices n (YAML also accepts the Cerebras spelling ``num_csx``)."""
+    allow_uneven: bool = False
+    """Allow splits that differ by one sample where strict validity would refuse them."""
+    pipeline_stages: int = number(1)
+    """Pipeline stages p; p > 1 adds Megatron's bubble (p - 1) / micro-batches."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train_input")
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        fixed = m if isinstance(m, int) else None
+        uneven_ok = self.allow_uneven or m == "explore"
+        if self.pipeline_stages > 1 and uneven_ok:  # first: what else it says assumes p = 1
+            raise ConfigError(
+                "train_input.pipeline_stages" if m == "explore" else "train_input.allow_uneven",
+                (
+                    f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches"
+                    if m == "explore"
+                    else "uneven splits cannot be pipelined: Megatron requires batch_size = "
+                    "num_devices x micro_batch_size x micro-batches"
+                )
+                + f"; {self._even_pipeline_fix()}",
+            )
+        # auto tries the divisors of P only, and a pipeline splits evenly: there
+        # allow_uneven makes no uneven split run, so no message offers it
+        offer_uneven = m != "auto" and self.pipeline_stages == 1
+        if b < n or (b % n and not uneven_ok):
+            with lattice_rule("train_input.batch_size"):
+                check_batch_size(
+                    b, n, fixed, allow_uneven=uneven_ok and m != "auto", offer_uneven=offer_uneven
+                )
+        if fixed is not None:
+            with lattice_rule("train_input.micro_batch_size"):
+                check_micro_batch_size(
+                    b, n, fixed, allow_uneven=uneven_ok, offer_uneven=offer_uneven
+                )
+
+    def _even_pipeline_fix(self) -> str:
+        """What makes an uneven-split mode valid with a pipeline: the even mode and sizes it
+        needs, or one stage where the sizes run unevenly."""
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        fixed = m if isinstance(m, int) else None
+        p = lattice.per_device_batch(b, n)
+        even = b >= n and b % n == 0 and (fixed is None or p % fixed == 0)
+        changes = ["micro_batch_size: auto or none"] * (m == "explore")
+        changes += ["allow_uneven: false"] * self.allow_uneven
+        fix = "set " + " and ".join(changes)
+        if not even:
+            fix += f" with {nearest_batch_sizes_text(b, n, fixed)}"
+        if b >= n and (fixed is None or fixed <= p) and (m != "auto" or even):
+            fix += ", or set pipeline_stages: 1"
+        return fix
+
+    @property
+    def mode(self) -> str:
+        """``int``, ``none``, ``auto`` or ``explore``."""
+        return "int" if isinstance(self.micro_batch_size, int) else self.micro_batch_size
+
+    @property
+    def config(self) -> BatchConfig | None:
+        """The user's own (B, n, m), where the mode fixes m."""
+        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        if isinstance(m, int):
+            return BatchConfig(b, n, m)
+        if m == "none":
+            return BatchConfig(b, n, lattice.per_device_batch(b, n))
+        return None
+
+
+# ---------------------------------------------------------------------------
+# the lattice's rules, in words
+
+
+def nearest_batch_sizes_text(
+    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
+    allow_uneven: bool = False,
+) -> str:  # fmt: skip
+    """'nearest valid batch_size for micro_batch_size 4: 96 (below) or 108 (above)', the
+    phrase every message uses; ``micro_batch_size`` None: a mode chooses m, so B need only
+    split evenly over n."""
+    m = micro_batch_size or 1
+    below, above = nearest_valid_batch_sizes(batch_size, num_devices, m, allow_uneven=allow_uneven)
+    for_m = f" for micro_batch_size {micro_batch_size}" if micro_batch_size else ""
+    return f"nearest valid batch_size{for_m}: {_below_above(below, above)}"
+
+
+def check_batch_size(
+    batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
+    allow_uneven: bool = False, offer_uneven: bool = False,
+) -> None:  # fmt: skip
+    """Raise LatticeError where B < n or, unless ``allow_uneven``, B % n != 0.
+
+    The message names the rule, both numbers, and the nearest batch sizes (for B < n also
+    the device counts) that satisfy every rule with the micro-batch size too (None: a mode
+    chooses m). ``offer_uneven``: the caller may set allow_uneven; the message says so
+    where that alone makes these sizes valid.
+    """
+    b, n, m = batch_size, num_devices, micro_batch_size
+    if b < n:
+        devices = _valid_devices_text(b, m, allow_uneven)
+        raise LatticeError(
+            f"batch_size {b} is smaller than num_devices {n}: every device needs at least "
+            f"one sample; {nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)}"
+            + (f"; {devices}" if devices else "")
+        )
+    if b % n and not allow_uneven:
+        uneven_runs = offer_uneven and (m is None or m <= per_device_batch(b, n))
+        raise LatticeError(
+            f"batch_size {b} is not divisible by num_devices {n}; "
+            f"{nearest_batch_sizes_text(b, n, m)}" + _UNEVEN_HINT * uneven_runs
+        )
+
+
+def check_micro_batch_size(
+    batch_size: int, num_devices: int, micro_batch_size: int, *,
+    allow_uneven: bool = False, offer_uneven: bool = False,
+) -> None:  # fmt: skip
+    """Raise LatticeError where m > P or, unless ``allow_uneven``, P % m != 0; (B, n) has
+    passed :func:`check_batch_size` with the same ``allow_uneven``.
+
+    The message names the rule, both numbers, the nearest batch sizes for this m and the
+    micro-batch sizes for this B that satisfy every rule; ``offer_uneven`` as there.
+    """
+    b, n, m = batch_size, num_devices, micro_batch_size
+    p = per_device_batch(b, n)
+    valid_b = nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)
+    # with allow_uneven every m up to P runs; P can be 2**31: name the range, never list it
+    valid_m = _span(p) if allow_uneven else ", ".join(map(str, valid_micro_batch_sizes(b, n)))
+    sizes = f"the per-device batch {p} (batch_size {b} / num_devices {n})"
+    if m > p:
+        raise LatticeError(
+            f"micro_batch_size {m} exceeds {sizes}; {valid_b}; valid micro_batch_size for "
+            f"batch_size {b}: {valid_m}"
+        )
+    if p % m and not allow_uneven:
+        raise LatticeError(
+            f"micro_batch_size {m} does not divide {sizes}; {valid_b}; valid micro_batch_size "
+            f"for batch_size {b}: {valid_m}" + _UNEVEN_HINT * offer_uneven
+        )
+
+
+_UNEVEN_HINT = " (or set allow_uneven: true)"
+
+
+def _valid_devices_text(batch_size: int, micro_batch_size: int | None, allow_uneven: bool) -> str:
+    """The device counts that run ``batch_size`` with m (None: a mode chooses it), as a
+    phrase; empty where none does."""
+    b, m = batch_size, micro_batch_size
+    if allow_uneven:  # m <= ceil(B / n), that is n <= (B - 1) / (m - 1): a range from 1
+        most = b if not m or m == 1 else min(b, (b - 1) // (m - 1))
+        values = _span(most)
+    else:
+        values = ", ".join(map(str, valid_num_devices(b, m)))
+    for_m = f" and micro_batch_size {m}" if m else ""
+    return f"valid num_devices for batch_size {b}{for_m}: {values}" if values else ""
+
+
+def _span(most: int) -> str:
+    """1..most, named without listing it (empty where most < 1)."""
+    return "" if most < 1 else "1" if most == 1 else f"1..{most}"
+
+
+def _below_above(below: int | None, above: int) -> str:
+    return f"{above} (above)" if below is None else f"{below} (below) or {above} (above)"
