@@ -659,16 +659,16 @@ def test_make_batch_checked_at_every_call(user_module):
 def test_function_that_raises(user_module):
     name = user_module(
         """
-        def build(depth=1):
+        def build(depth=1, tag=None):
             raise RuntimeError(f"depth {depth} is too deep\\nsee the docs")
         """
     )
     with pytest.raises(
         ModelError,
-        match=rf"^model\.name: '{name}:build' raised RuntimeError: depth 9 is too deep see the "
-        r"docs$",
+        match=rf"^model\.name: '{name}:build' \(called with depth=9, tag='x'\) raised "
+        r"RuntimeError: depth 9 is too deep see the docs$",
     ):
-        build_model(f"{name}:build", {"depth": 9})
+        build_model(f"{name}:build", {"depth": 9, "tag": "x", "checkpoint_blocks": "Block"})
 
 
 def test_make_batch_that_raises(user_module):
@@ -702,6 +702,80 @@ def test_user_option_the_function_does_not_take(user_module):
         r"\(did you mean 'hidden'\?\)$",
     ):
         build_model(f"{name}:build", {"hiden": 8})
+
+
+TYPED_USER_MODEL = """
+    from __future__ import annotations
+
+    from pathlib import Path
+    from typing import Literal, Sequence
+
+    def build(hidden: int = 4, rate: float = 0.5, tag: str | None = None,
+              sizes: list[int] = [1], pair: tuple[int, int] = (1, 2),
+              mode: Literal["a", "b"] = "a", depth=2, scale=1.0, shape=(8, 8), where: Path = None,
+              dims: Sequence[int] = (), **extra):
+        raise RuntimeError("called")
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"hidden": "abc"}, "model.hidden: expected int, got 'abc' (a str); '{}' takes "
+                            "hidden: int = 4"),
+        ({"hidden": True}, "model.hidden: expected int, got True (a bool)"),
+        ({"hidden": 4.0}, "model.hidden: expected int, got 4.0 (a float)"),
+        ({"rate": "fast"}, "model.rate: expected float, got 'fast' (a str); '{}' takes "
+                           "rate: float = 0.5"),
+        ({"tag": 3}, "model.tag: expected str or None, got 3 (an int)"),
+        ({"sizes": [1, "a"]}, "model.sizes: expected list[int], got [1, 'a'] (a list)"),
+        ({"pair": [1, 2, 3]}, "model.pair: expected tuple[int, int], got [1, 2, 3] (a list)"),
+        ({"mode": "c"}, "model.mode: expected 'a' or 'b', got 'c' (a str)"),
+        ({"dims": 3}, "model.dims: expected Sequence[int], got 3 (an int)"),
+        ({"depth": 2.5}, "model.depth: expected int, got 2.5 (a float); '{}' takes depth=2 "
+                         "(its default's type)"),
+        ({"shape": "8x8"}, "model.shape: expected tuple, got '8x8' (a str)"),
+        ({"hidden": "x" * 100},  # shortened
+         "model.hidden: expected int, got 'xxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxx' (a str)"),
+    ],
+)  # fmt: skip
+def test_a_user_option_of_another_type_than_the_signature_s_is_named_before_the_call(
+    user_module, options, message
+):
+    name = f"{user_module(TYPED_USER_MODEL)}:build"
+    with pytest.raises(ModelError) as raised:
+        build_model(name, options)
+    assert str(raised.value).startswith(message.format(name))
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rate": 1, "scale": 2},  # an int is a float
+        {"tag": None, "sizes": [], "pair": [3, 4], "shape": [2, 2], "mode": "b"},
+        {"where": "a/path", "dims": [1, 2]},  # a Path is the function's to make from a str
+        {"other": "anything"},  # **extra takes it, unchecked
+    ],
+)
+def test_a_user_option_of_the_signature_s_type_reaches_the_call(user_module, options):
+    name = f"{user_module(TYPED_USER_MODEL)}:build"
+    with pytest.raises(ModelError, match=r"\) raised RuntimeError: called$"):
+        build_model(name, options)
+
+
+def test_the_example_user_model_names_a_wrong_option_on_the_command_line(capsys, monkeypatch):
+    from mbtune.cli import main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    argv = ["validate", "experiments/user_model.yaml", "--set", "model.hidden=abc"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "mbtune: error: model.hidden: expected int, got 'abc' (a str); "
+        "'experiments.user_model:build' takes hidden: int = 64\n"
+    )
 
 
 def test_validation_does_not_shift_the_callers_rng(user_module):

@@ -15,7 +15,10 @@ import functools
 import importlib
 import inspect
 import os
+import reprlib
 import sys
+import types
+import typing
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -83,7 +86,9 @@ def build_user_model(
     try:
         returned = function(**options)
     except Exception as exc:
-        raise ModelError(f"model.name: {name!r} raised {one_line(exc)}") from exc
+        raise ModelError(
+            f"model.name: {name!r} (called with {_given(options)}) raised {one_line(exc)}"
+        ) from exc
 
     module, make_batch, loss_fn = _check_user_return(name, returned)
     _checkpoint_user_blocks(name, module, block_names, asked=activation_checkpointing)
@@ -110,24 +115,132 @@ def build_user_model(
 
 
 def _check_user_options(name: str, function: Callable, options: dict[str, object]) -> None:
-    """Options that the function's signature cannot take, named as `model.<key>`."""
+    """Options that the function's signature cannot take, or whose value is not of the type
+    it gives them (an annotation, else its default's type), named as `model.<key>`."""
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):  # no signature to check (a C function): let the call tell
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [
-        p.name
+    named = {
+        p.name: p
         for p in params.values()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
-    for key in options:
-        if key not in accepted:
-            raise ModelError(
-                f"model.{key}: unknown option for model {name!r}; valid: "
-                f"{', '.join(accepted) or '(none)'}{did_you_mean(str(key), accepted)}"
-            )
+    }
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for key in options:
+            if key not in named:
+                raise ModelError(
+                    f"model.{key}: unknown option for model {name!r}; valid: "
+                    f"{', '.join(named) or '(none)'}{did_you_mean(str(key), named)}"
+                )
+    hints = _type_hints(function)
+    for key, value in options.items():
+        param = named.get(key)
+        expected = _expected_type(param, hints) if param is not None else None
+        if expected is None or _accepts(expected, value):
+            continue
+        default = "" if param.default is inspect.Parameter.empty else f"={param.default!r}"
+        takes = (
+            f"{key}: {_spell(expected)}{default.replace('=', ' = ')}"
+            if param.annotation is not inspect.Parameter.empty
+            else f"{key}{default} (its default's type)"
+        )
+        raise ModelError(
+            f"model.{key}: expected {_spell(expected)}, got {_SHORT.repr(value)} "
+            f"({_a(type(value).__name__)}); {name!r} takes {takes}"
+        )
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 40
+"""An option's value in an error: a long string or list shortened."""
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _given(options: Mapping[str, object]) -> str:
+    """The options a user's function was called with, as a call spells them."""
+    return ", ".join(f"{k}={_SHORT.repr(v)}" for k, v in options.items()) or "no options"
+
+
+def _type_hints(function: Callable) -> dict[str, object]:
+    """The function's annotations, resolved (``from __future__ import annotations`` makes
+    them strings); where they cannot all be, those that are not strings."""
+    try:
+        return typing.get_type_hints(function)
+    except Exception:
+        annotations = getattr(function, "__annotations__", None)
+        if not isinstance(annotations, dict):
+            return {}
+        return {k: v for k, v in annotations.items() if not isinstance(v, str)}
+
+
+def _expected_type(param: inspect.Parameter, hints: Mapping[str, object]) -> object | None:
+    """The type a parameter takes: its annotation (None where it cannot be resolved), else
+    its default's type (None without a default, or with a default of None)."""
+    if param.annotation is not inspect.Parameter.empty:
+        return hints.get(param.name)
+    if param.default is inspect.Parameter.empty or param.default is None:
+        return None
+    return type(param.default)
+
+
+_YAML_TYPES = (bool, int, float, str, list, dict, type(None))
+"""What an option read from YAML can be. A type none of them is (a Path, a torch.dtype)
+is the function's to convert to: not checked."""
+
+
+def _accepts(expected: object, value: object) -> bool:
+    """Whether ``value``, read from YAML, is of the ``expected`` type: an int is a float,
+    a list a tuple, a bool no int; True wherever that cannot be told."""
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_accepts(arm, value) for arm in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin is typing.Annotated:
+        return _accepts(args[0], value)
+    if origin is not None:  # list[int], dict[str, float], Sequence[int]
+        if not _accepts(origin, value):
+            return False
+        if isinstance(value, (list, tuple)) and args:
+            if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+                return len(args) == len(value) and all(map(_accepts, args, value))
+            return all(_accepts(args[0], item) for item in value)
+        if isinstance(value, dict) and len(args) == 2:
+            return all(_accepts(args[0], k) and _accepts(args[1], v) for k, v in value.items())
+        return True
+    if expected is None or expected is type(None):
+        return value is None
+    if expected in (int, float):
+        kinds = (int, float) if expected is float else (int,)
+        return isinstance(value, kinds) and not isinstance(value, bool)
+    if expected is tuple:
+        return isinstance(value, (list, tuple))
+    if not isinstance(expected, type) or expected is typing.Any:
+        return True
+    try:
+        if not any(issubclass(kind, expected) for kind in _YAML_TYPES):
+            return True
+        return isinstance(value, expected)
+    except TypeError:  # a Protocol that is not runtime_checkable, a generic alias
+        return True
+
+
+def _spell(expected: object) -> str:
+    """A type as an error names it: int, int or None, list[int], 'a' or 'b'."""
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(_spell(arm) for arm in args)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if expected is None or expected is type(None):
+        return "None"
+    if isinstance(expected, type) and origin is None:
+        return expected.__name__
+    return str(expected).replace("typing.", "")
 
 
 def _check_user_return(name: str, returned: object) -> tuple[nn.Module, Callable, LossFn]:
