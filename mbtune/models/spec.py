@@ -49,6 +49,14 @@ class ModelSpec:
     mixes_batch: str | None
     """None if gradient accumulation is exact; else a sentence saying why it is not."""
 
+    @property
+    def gradient_bytes(self) -> int:
+        """The bytes of the gradients a data-parallel step all-reduces: every trainable
+        parameter at its own width (fp32 master weights under autocast: 4 bytes each); on
+        the meta device too (the plan counts them there)."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters()
+                   if p.requires_grad)  # fmt: skip
+
 
 def batch_mixing_reason(module: nn.Module) -> str | None:
     """Why gradient accumulation is not exact for `module`, as a sentence; None if it is.

@@ -10,12 +10,12 @@ __all__ = ["gradient_bytes"]
 
 
 def gradient_bytes(model: ModelConfig) -> int:
-    """Bytes of the gradients a data-parallel step all-reduces: every trainable parameter
-    at its own width (fp32 master weights under autocast: 4 bytes each)."""
+    """Bytes of the gradients a data-parallel step all-reduces
+    (:attr:`mbtune.models.spec.ModelSpec.gradient_bytes`), of the model built on the meta
+    device."""
     import torch
 
     from mbtune.models.build import build_from_config
 
     with torch.device("meta"):
-        spec = build_from_config(model)
-    return sum(p.numel() * p.element_size() for p in spec.module.parameters() if p.requires_grad)
+        return build_from_config(model).gradient_bytes

@@ -50,7 +50,6 @@ from mbtune.trial.step import (
     accumulate_gradients,
     build_spec,
     full_batch_if_mixing,
-    gradient_bytes,
     mean_loss,
     rank_batch,
     rank_micro_batches,
@@ -374,7 +373,7 @@ def _timed_steps(
     peak = memory.peak_memory(torch, device)
     verdict = verdict or group.agree(None, memory.over_budget(tr, budget, peak))
     # 6. ddp: the gradient sync alone
-    grad_bytes = gradient_bytes(step.module)
+    grad_bytes = spec.gradient_bytes
     comm: list[float] = []
     if not group.simulated and verdict is None:
         comm = _sync_times(step, grad_bytes, tr.measure_steps, timed, device)

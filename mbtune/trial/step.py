@@ -23,7 +23,6 @@ __all__ = [
     "accumulate_gradients",
     "build_spec",
     "full_batch_if_mixing",
-    "gradient_bytes",
     "mean_loss",
     "rank_batch",
     "rank_micro_batches",
@@ -159,7 +158,3 @@ def synced_step(
         accumulate_gradients(loss_fn, model, first, total=total)
     accumulate_gradients(loss_fn, model, [last], total=total)
 
-
-def gradient_bytes(module: Any) -> int:
-    """The bytes one all-reduce of ``module``'s gradients moves (trainable parameters)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
