@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     experiment = _experiment_arguments(_Parser(add_help=False))
     optional_experiment = _experiment_arguments(_Parser(add_help=False), optional=True)
+    sizes = _size_arguments(_Parser(add_help=False))  # one configuration: trial, memory
 
     init = commands.add_parser(
         "init",
@@ -91,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", choices=("table", "csv", "json"), default="table", help="output format"
     )
 
-    trial = commands.add_parser(
+    commands.add_parser(
         "trial",
-        parents=[experiment],
+        parents=[experiment, sizes],
         help="measure one configuration, without a search",
         description="Build, compile, warm up and time one (batch_size, num_devices, "
         "micro_batch_size) of the experiment's model, and print what was measured. Sizes "
@@ -101,16 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "trial.parallel: ddp, whose workers run on Ray (an embedded one unless ray.address "
         "names a cluster).",
     )
-    trial.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
-    trial.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
-    trial.add_argument(
-        "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
-    )
-    trial.add_argument("--json", action="store_true", help="print one JSON object")
 
-    memory = commands.add_parser(
+    commands.add_parser(
         "memory",
-        parents=[experiment],
+        parents=[experiment, sizes],
         help="predict one device's peak memory for a configuration, without measuring it",
         description="Predict the peak memory of one device (the busiest) when a (batch_size, "
         "num_devices, micro_batch_size) of the experiment is measured, by part: parameters, "
@@ -119,12 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
         "allocated and the device need not be here (trial.device: cuda on a laptop). Sizes "
         "not given default to the experiment's train_input.",
     )
-    memory.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
-    memory.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
-    memory.add_argument(
-        "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
-    )
-    memory.add_argument("--json", action="store_true", help="print one JSON object")
 
     run = commands.add_parser(
         "run",
@@ -235,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval", type=float, default=1.0, metavar="SECONDS",
         help="how often the files are read (default: 1)",
     )  # fmt: skip
+    return parser
+
+
+def _size_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
+    parser.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
+    parser.add_argument(
+        "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
