@@ -450,7 +450,7 @@ def another_look_line(why: str, config: BatchConfig, look: int) -> str:
 
 
 def tie_line(tie: Mapping[str, Any], drift: float | None = None) -> str:
-    """A tie (``tie``: its record, mbtune.recommend.confidence.Tie) as the stream and the
+    """A tie (``tie``: its record, mbtune.recommend.tie.Tie) as the stream and the
     summary say it: what the search cannot tell apart at this machine's spread, which of
     them it recommends and by what rule, and what it was sure of."""
     members = [BatchConfig.from_mapping(m) for m in tie["members"]]

@@ -8,7 +8,9 @@ import random
 import pytest
 
 from mbtune.lattice import BatchConfig, enumerate_configs
-from mbtune.recommend.confidence import MAX_SCORE, Observation, assess, relative_step_noise
+from mbtune.recommend.confidence import MAX_SCORE, assess
+from mbtune.recommend.noise import relative_step_noise
+from mbtune.recommend.observation import Observation
 
 # B = 64 on one device: m in 1, 2, 4, ..., 64 (7 distinct measurements)
 POINTS = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[1])
@@ -149,7 +151,7 @@ def test_devices_in_between_could_peak_when_only_the_ends_are_measured():
 
 
 def test_the_drift_between_trials_is_learnt_from_repeats_with_the_floor_as_prior():
-    from mbtune.recommend.confidence import DRIFT_PRIOR_DOF, between_trial_drift
+    from mbtune.recommend.noise import DRIFT_PRIOR_DOF, between_trial_drift
 
     rng = random.Random(7)
     configs = [c(m) for m in (1, 2, 4, 8, 16, 32)]
@@ -181,16 +183,17 @@ def test_repeats_are_pooled_and_a_leader_seen_once_at_a_quiet_moment_is_doubted(
 
 
 def test_the_drift_is_read_wider_the_fewer_repeats_it_rests_on(monkeypatch):
-    from mbtune.recommend import confidence
+    from mbtune.recommend import confidence, noise
 
     # Student's t with the prior's four degrees of freedom and the repeats': twice the
     # estimate's variance on the prior alone, nearly the estimate after many repeats
-    assert confidence.drift_variance(0.03, 0) == pytest.approx(2 * 0.03**2)
-    assert confidence.drift_variance(0.03, 96) == pytest.approx(0.03**2 * 100 / 98)
+    assert noise.drift_variance(0.03, 0) == pytest.approx(2 * 0.03**2)
+    assert noise.drift_variance(0.03, 96) == pytest.approx(0.03**2 * 100 / 98)
     # a leader 4% ahead of its rival, two looks each: less sure than the estimate alone says
     points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])
     looks = flat_top({8: (780, 772), 16: (748, 745), 4: (690,), 2: (640,)})
     widened = assess(points, looks, noise_floor=0.035)
+    # where assess reads it
     monkeypatch.setattr(confidence, "drift_variance", lambda drift, dof: drift**2)
     at_estimate = assess(points, looks, noise_floor=0.035)
     assert widened.recommended == at_estimate.recommended == BatchConfig(32, 2, 8)
@@ -213,7 +216,8 @@ def flat_top(spread: dict[int, tuple[float, ...]]) -> list[Observation]:
 
 
 def test_a_flat_top_on_a_busy_machine_is_a_tie_that_names_its_members():
-    from mbtune.recommend.confidence import TIE_RULE, SearchModel
+    from mbtune.recommend.confidence import SearchModel
+    from mbtune.recommend.tie import TIE_RULE
     from mbtune.report import tie_line
 
     points = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[1, 2])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from mbtune.lattice import BatchConfig, enumerate_configs
-from mbtune.recommend.confidence import observation
+from mbtune.recommend.observation import observation
 from mbtune.recommend.reporter import Reporter
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir

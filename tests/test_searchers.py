@@ -4,7 +4,8 @@ import pytest
 from ray.tune.search import Searcher
 
 from mbtune.lattice import BatchConfig, enumerate_configs
-from mbtune.recommend.confidence import OPEN_CHANCE, Observation, SearchModel
+from mbtune.recommend.confidence import OPEN_CHANCE, SearchModel
+from mbtune.recommend.observation import Observation
 from mbtune.search import (
     METRIC,
     RIVAL_MATERIAL,
@@ -293,7 +294,7 @@ def test_each_device_count_is_measured_where_the_model_says_it_is_fastest_before
 def test_a_tie_waits_for_a_material_rival_outside_it_that_was_never_measured():
     import dataclasses
 
-    from mbtune.recommend.confidence import Tie
+    from mbtune.recommend.tie import Tie
     from mbtune.search import another_look, settled
 
     rule = {"target": 90, "max_repeats": 3, "noise_floor": 0.035}

@@ -9,7 +9,8 @@ import pytest
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Observation, assess
+from mbtune.recommend.confidence import assess
+from mbtune.recommend.observation import Observation
 from mbtune.runs.record import CONFIG_KEY, TrialRecord
 from mbtune.search import run_search
 

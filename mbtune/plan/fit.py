@@ -45,13 +45,13 @@ from scipy.optimize import nnls
 from mbtune.comm import Link, Traffic, all_reduce, step_traffic, two_tier_s
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import (
-    Observation,
+from mbtune.recommend.noise import (
     between_trial_drift,
     drift_variance,
     relative_step_noise,
     step_variance,
 )
+from mbtune.recommend.observation import Observation
 from mbtune.runs.record import TrialRecord
 
 __all__ = [

@@ -14,7 +14,8 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    one trial cannot see: estimated from the configurations measured more than once (how
    far their repeats disagree beyond their step noise), with ``noise_floor`` as the
    prior (worth ``DRIFT_PRIOR_DOF`` repeats), and widened for how few repeats it rests on
-   (:func:`drift_variance`). Every repeat is an observation of its own.
+   (:func:`drift_variance`): mbtune.recommend.noise. Every repeat is an observation of
+   its own (mbtune.recommend.observation).
 3. **A model of the rest** (:mod:`mbtune.recommend.gp`). The log of the objective over
    (m, n, B and the settings of a step, in octaves) is a Gaussian process with a trend
    and a smooth deviation, averaged over its shape hyperparameters.
@@ -39,7 +40,7 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    within two measured spreads (drift and step noise) of each other, and each was
    measured enough (``TIE_LOOKS``), they cannot be told apart at this machine's spread:
    the search stops on a tie, recommends one of them by a rule (:func:`tie_order`) and
-   says what it was sure of.
+   says what it was sure of: mbtune.recommend.tie.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ import dataclasses
 import functools
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -58,21 +58,17 @@ from threadpoolctl import threadpool_limits
 from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.gp import Mixture, Scale, plausible
-from mbtune.runs.record import CONFIG_KEY, TrialRecord
+from mbtune.recommend.noise import (
+    between_trial_drift,
+    drift_variance,
+    relative_step_noise,
+    step_variance,
+)
+from mbtune.recommend.observation import Observation
+from mbtune.recommend.tie import Tie, called_tie, find_contenders, resolvable
+from mbtune.runs.record import CONFIG_KEY
 
-__all__ = [
-    "Assessment",
-    "Observation",
-    "SearchModel",
-    "Tie",
-    "assess",
-    "between_trial_drift",
-    "drift_variance",
-    "observation",
-    "relative_step_noise",
-    "step_variance",
-    "tie_order",
-]
+__all__ = ["MAX_SCORE", "OPEN_CHANCE", "TOLERANCE", "Assessment", "SearchModel", "assess"]
 
 TOLERANCE = 0.02
 """Within 2% of the best counts as right."""
@@ -80,115 +76,10 @@ TOLERANCE = 0.02
 MAX_SCORE = 99
 """The score is a probability in percent and never claims certainty."""
 
-DEFAULT_NOISE = 0.03
-"""Relative step-time spread assumed while no trial has kept two step times."""
-
-DRIFT_PRIOR_DOF = 4
-"""How many repeats' worth of evidence ``noise_floor`` counts for as the drift's prior:
-little, so that a run whose repeats disagree (a machine getting busier) or agree (a
-quiet accelerator) soon speaks for itself."""
-
 OPEN_CHANCE = 0.15
 """The chance a value of a searched dimension that was never measured (and that the
 measured data do not bound) keeps of holding the best: one such value leaves a score of
 at most 85, below the usual target, so the search measures it before it stops."""
-
-TIE_LOOKS = 2
-"""How often each contender of a tie is measured, at least, before the search calls it
-a tie: with two looks each, the spread between repeats is measured on the contenders
-themselves. Enough where the machine's spread is too wide for the looks left to tell
-two apart by the tolerance (``TIE_RESOLVES``), and for contenders within one spread of
-the fastest; otherwise every contender is measured as often as ``search.max_repeats``
-allows."""
-
-TIE_RESOLVES = 2.0
-"""A machine's spread lets the search tell two configurations apart where the standard
-error of their difference at ``TIE_RESOLVE_LOOKS`` looks each (or ``search.max_repeats``
-where fewer) is below this many tolerances (a busy machine, 7% between repeats, cannot:
-bench/close_calls.py --landscape busy; a quiet one, 3.5%, can: --landscape close)."""
-
-TIE_RESOLVE_LOOKS = 3
-"""The looks each that ``TIE_RESOLVES`` is read at: more looks shrink the error on any
-machine, but on a busy one a close pair measured four or five times each spends the
-quickstart's budget on one comparison (bench/close_calls.py --landscape busy: 20 of 30
-searches within 12 trials when read at five looks, 28 at three)."""
-
-TIE_SPREADS = 2.0
-"""A tie's members' estimates lie within this many measured spreads of each other."""
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One finished trial, as the confidence math sees it."""
-
-    config: BatchConfig
-    """The canonical configuration measured."""
-    status: str
-    """``ok``, ``oom``, ``error`` or ``timeout``."""
-    value: float | None = None
-    """The objective (samples/s, or per device), for ``ok``."""
-    step_times_ms: tuple[float, ...] = ()
-    """Every timed step, to estimate the measurement's noise."""
-    oom_micro_batch_sizes: tuple[int, ...] = ()
-    """Micro-batch sizes that ran out of memory on the way (``trial.on_oom: halve``)."""
-
-
-def observation(record: TrialRecord) -> Observation:
-    """A finished trial as the confidence math sees it: its canonical configuration, its
-    objective where it ran ok (an ok trial without a positive objective counts as an
-    error), its step times, and the micro-batch sizes that ran out of memory on the way
-    (``micro_batch_sizes_tried`` in order: all but the last, or all of them for an oom)."""
-    value = record.objective
-    status = record.status or "error"
-    if status == "ok" and not (value and value > 0):
-        status = "error"
-    tried = record.micro_batch_sizes_tried
-    return Observation(
-        config=record.config.canonical(),
-        status=status,
-        value=float(value) if status == "ok" else None,
-        step_times_ms=record.step_times_ms,
-        oom_micro_batch_sizes=tried if status == "oom" else tried[:-1],
-    )
-
-
-@dataclass(frozen=True)
-class Tie:
-    """Measured configurations the search cannot tell apart, which together hold the best."""
-
-    members: tuple[BatchConfig, ...]
-    """The recommendation first: those whose estimate is within the tolerance of the
-    fastest's in the order of :func:`tie_order`, then the rest by their estimate."""
-    width: float
-    """How far apart their estimates are: 1 - the slowest's over the fastest's."""
-    probability: float
-    """The probability that one of them is within the tolerance of the best."""
-    sure: tuple[tuple[str, Any, Any, float], ...] = ()
-    """What the search is sure of: (dimension, the members' value, the best other value,
-    how many times faster the best member is than the best configuration with it)."""
-
-    def record(self) -> dict[str, Any]:
-        """As recommendations.jsonl and summary.json carry it."""
-        return {
-            "members": [c.sizes() for c in self.members],
-            "width": round(self.width, 4),
-            "probability": round(self.probability, 3),
-            "rule": TIE_RULE,
-            "sure": [
-                {"dimension": d, "value": v, "over": o, "speedup": round(x, 3)}
-                for d, v, o, x in self.sure
-            ],
-        }
-
-
-TIE_RULE = "among those within 2% of the fastest: the fewest devices, then the fastest"
-"""How a tie picks its recommendation (:func:`tie_order`)."""
-
-
-def tie_order(c: BatchConfig, estimate: float) -> tuple:
-    """A tie's order among its members within the tolerance of the fastest estimate: the
-    fewest devices (at the same throughput, the cheapest), then the highest estimate."""
-    return (c.num_devices, -estimate, c)
 
 
 @dataclass(frozen=True)
@@ -248,18 +139,6 @@ class Assessment:
     """Whether this machine's spread lets more looks tell two configurations apart by
     the tolerance (``TIE_RESOLVES``); where not, two looks each (``TIE_LOOKS``) are all a
     close contender gets."""
-
-
-def relative_step_noise(observations: Iterable[Observation]) -> tuple[float, int]:
-    """The pooled relative sd of step times, and its degrees of freedom (0: none seen)."""
-    squares, dof = 0.0, 0
-    for o in observations:
-        times = np.asarray(o.step_times_ms, dtype=float)
-        if o.status != "ok" or len(times) < 2 or not np.all(times > 0):
-            continue
-        squares += float(np.var(np.log(times), ddof=1)) * (len(times) - 1)
-        dof += len(times) - 1
-    return (math.sqrt(squares / dof), dof) if dof else (DEFAULT_NOISE, 0)
 
 
 # Its matrices are small (a few hundred rows): BLAS threads only add spin-waits, and the
@@ -337,7 +216,8 @@ def assess(
     columns = {candidates[i]: j for j, i in enumerate(keep) if i in fitted}
     contenders = None  # a target above what a score can reach (100): the search never stops
     if probability * 100 < target <= MAX_SCORE:
-        contenders = _contenders(each, columns, estimate, held_open, target=target)
+        contenders = find_contenders(each, columns, estimate, held_open, target=target,
+                                     tolerance=TOLERANCE)  # fmt: skip
     values = [o.value for o in ok if o.config == recommended]
     return Assessment(
         recommended=recommended,
@@ -385,103 +265,6 @@ def _unmeasured_values(
     return out
 
 
-def _contenders(
-    within: np.ndarray,
-    columns: dict[BatchConfig, int],
-    estimate: dict[BatchConfig, float],
-    held_open: float,
-    *,
-    target: int,
-) -> Tie | None:
-    """The fewest measured configurations (added in order of their own chance of being
-    within the tolerance of the best) that together hold it with a probability of at
-    least ``target``, where they are several; None where none do together."""
-    alone = {c: float(within[:, j].mean()) for c, j in columns.items()}
-    members: list[BatchConfig] = []
-    held = np.zeros(len(within), dtype=bool)
-    for c in sorted(alone, key=lambda c: (-alone[c], c)):
-        members.append(c)
-        held |= within[:, columns[c]]
-        if held.mean() * held_open * 100 >= target:
-            break
-    else:
-        return None
-    if len(members) < 2:
-        return None
-    fastest = max(estimate[c] for c in members)
-    # the rule picks among the members as fast as the fastest within the tolerance: where
-    # the estimates say one is faster by more, it stays first
-    close = [c for c in members if estimate[c] >= fastest * (1 - TOLERANCE)]
-    members = sorted(close, key=lambda c: tie_order(c, estimate[c])) + sorted(
-        (c for c in members if c not in close), key=lambda c: -estimate[c]
-    )
-    return Tie(
-        members=tuple(members),
-        width=1 - min(estimate[c] for c in members) / fastest,
-        probability=float(held.mean() * held_open),
-        sure=tuple(_sure(members, estimate, fastest)),
-    )
-
-
-def _sure(
-    members: Sequence[BatchConfig], estimate: dict[BatchConfig, float], fastest: float
-) -> Iterator[tuple[str, Any, Any, float]]:
-    """What a tie's members agree on, against the best measured configuration that
-    differs there: (dimension, their value, its value, how much faster they are)."""
-    for dim in CONFIG_KEY:
-        if dim == "micro_batch_size":
-            continue
-        values = {getattr(c, dim) for c in members}
-        others = [c for c in estimate if getattr(c, dim) not in values]
-        if len(values) == 1 and others:
-            rival = max(others, key=estimate.__getitem__)
-            yield dim, values.pop(), getattr(rival, dim), fastest / estimate[rival]
-
-
-def step_variance(spread: float, o: Observation) -> float:
-    """The variance of the log of one trial's median step time, from the step noise: the
-    median of k samples varies pi/2 times as much as their mean."""
-    return (math.pi / 2) * spread**2 / max(1, len(o.step_times_ms))
-
-
-def between_trial_drift(
-    ok: Sequence[Observation], spread: float, *, prior: float
-) -> tuple[float, int]:
-    """The relative drift between trials of one configuration, and the degrees of freedom
-    of repeats it rests on: how far repeats disagree beyond what their step noise
-    explains, pooled over configurations, shrunk towards ``prior`` (worth
-    ``DRIFT_PRIOR_DOF`` degrees of freedom)."""
-    logs: dict[BatchConfig, list[float]] = {}
-    noise: dict[BatchConfig, list[float]] = {}
-    for o in ok:
-        logs.setdefault(o.config, []).append(math.log(o.value))
-        noise.setdefault(o.config, []).append(step_variance(spread, o))
-    excess, dof = 0.0, 0
-    for config, y in logs.items():
-        if len(y) < 2:
-            continue
-        mean = statistics.fmean(y)
-        # E[sum of squares] = (r - 1) (drift^2 + the mean step variance)
-        excess += sum((v - mean) ** 2 for v in y) - (len(y) - 1) * statistics.fmean(noise[config])
-        dof += len(y) - 1
-    if not dof:
-        return prior, 0
-    estimate = max(0.0, excess / dof)
-    return math.sqrt((DRIFT_PRIOR_DOF * prior**2 + dof * estimate) / (DRIFT_PRIOR_DOF + dof)), dof
-
-
-def drift_variance(drift: float, dof: int) -> float:
-    """The variance of the drift a trial is read with: the estimate's, widened for how
-    little it rests on. Behind ``drift`` are the prior (``DRIFT_PRIOR_DOF``) and ``dof``
-    degrees of freedom of repeats; with nu their sum, the drift a trial draws is Student's
-    t, whose variance is nu / (nu - 2) times the estimate's: twice it on the prior alone,
-    1.25 times after six repeats. Read at the estimate instead, the score was over-confident
-    just above the target on close calls (a search stops where its estimate happens to be
-    low): bench/close_calls.py --landscape drawn-close, docs/confidence.md."""
-    nu = DRIFT_PRIOR_DOF + dof
-    return drift**2 * nu / (nu - 2)
-
-
 @dataclass(frozen=True)
 class SearchModel:
     """The one model the search proposes with and the reporter scores with: the same
@@ -517,23 +300,15 @@ class SearchModel:
 
     def _resolvable(self, a: Assessment) -> bool:
         """Could the looks the search may take tell two apart by the tolerance?"""
-        looks = max(1, min(TIE_RESOLVE_LOOKS, self.max_repeats))
-        return a.trial_sd * math.sqrt(2 / looks) < TIE_RESOLVES * TOLERANCE
+        return resolvable(a.trial_sd, self.max_repeats, tolerance=TOLERANCE)
 
     def _tie(self, a: Assessment) -> Tie | None:
         """The contenders, where another look cannot tell them apart at this machine's
         spread (module docstring, 6)."""
-        tie = a.contenders
-        if tie is None:
-            return None
-        sd = a.trial_sd
-        fastest = max(a.estimate[c] for c in tie.members)
-        for c in tie.members:
-            close = a.estimate[c] >= fastest * (1 - max(TOLERANCE, sd))
-            looks = TIE_LOOKS if close and not a.resolvable else max(TIE_LOOKS, self.max_repeats)
-            if a.looks.get(c, 0) < min(looks, self.max_repeats):
-                return None
-        return tie if tie.width <= TIE_SPREADS * sd else None
+        return called_tie(
+            a.contenders, estimate=a.estimate, looks=a.looks, trial_sd=a.trial_sd,
+            resolvable=a.resolvable, max_repeats=self.max_repeats, tolerance=TOLERANCE,
+        )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)

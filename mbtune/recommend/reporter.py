@@ -24,7 +24,8 @@ from typing import Any
 
 from mbtune import lattice
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Assessment, SearchModel, observation
+from mbtune.recommend.confidence import Assessment, SearchModel
+from mbtune.recommend.observation import observation
 from mbtune.report import stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 
@@ -50,7 +51,7 @@ class StreamRecommendation:
     mfu: float | None = None
     tie: dict[str, Any] | None = None
     """Where the search cannot tell its contenders apart: the tie's record
-    (mbtune.recommend.confidence.Tie), which stops it."""
+    (mbtune.recommend.tie.Tie), which stops it."""
     drift: float | None = None
     """The relative drift between trials the score allowed for."""
     ranking: tuple[dict[str, Any], ...] = ()

@@ -25,7 +25,8 @@ from ray.tune.search import Searcher
 
 from mbtune.config.search import SearchConfig
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Assessment, Observation, SearchModel, observation
+from mbtune.recommend.confidence import Assessment, SearchModel
+from mbtune.recommend.observation import Observation, observation
 from mbtune.report import another_look_line
 from mbtune.runs.record import CONFIG_KEY, SIZES, TrialRecord
 from mbtune.search._proposers import (

@@ -5,7 +5,8 @@ both read off the search model's assessment (docs/confidence.md, "Before it stop
 from __future__ import annotations
 
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import TIE_LOOKS, Assessment
+from mbtune.recommend.confidence import Assessment
+from mbtune.recommend.tie import TIE_LOOKS
 
 __all__ = [
     "MATERIAL",

@@ -1,0 +1,47 @@
+"""A finished trial as the models read it (:class:`Observation`), converted from its record
+once (:func:`observation`). Pure: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mbtune.lattice import BatchConfig
+from mbtune.runs.record import TrialRecord
+
+__all__ = ["Observation", "observation"]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One finished trial, as the confidence math sees it."""
+
+    config: BatchConfig
+    """The canonical configuration measured."""
+    status: str
+    """``ok``, ``oom``, ``error`` or ``timeout``."""
+    value: float | None = None
+    """The objective (samples/s, or per device), for ``ok``."""
+    step_times_ms: tuple[float, ...] = ()
+    """Every timed step, to estimate the measurement's noise."""
+    oom_micro_batch_sizes: tuple[int, ...] = ()
+    """Micro-batch sizes that ran out of memory on the way (``trial.on_oom: halve``)."""
+
+
+def observation(record: TrialRecord) -> Observation:
+    """A finished trial as the confidence math sees it: its canonical configuration, its
+    objective where it ran ok (an ok trial without a positive objective counts as an
+    error), its step times, and the micro-batch sizes that ran out of memory on the way
+    (``micro_batch_sizes_tried`` in order: all but the last, or all of them for an oom)."""
+    value = record.objective
+    status = record.status or "error"
+    if status == "ok" and not (value and value > 0):
+        status = "error"
+    tried = record.micro_batch_sizes_tried
+    return Observation(
+        config=record.config.canonical(),
+        status=status,
+        value=float(value) if status == "ok" else None,
+        step_times_ms=record.step_times_ms,
+        oom_micro_batch_sizes=tried if status == "oom" else tried[:-1],
+    )
