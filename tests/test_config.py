@@ -111,6 +111,23 @@ def test_defaults():
     assert [c.micro_batch_size for c in exp.configs()] == [1, 2, 4, 8, 16, 32]
 
 
+@pytest.mark.parametrize(
+    ("trial", "ray", "gpus"),
+    [
+        ({"device": "cuda"}, {}, 1),
+        ({"device": "cuda", "parallel": "ddp"}, {}, 1),
+        ({"device": "cpu"}, {}, 0),
+        ({"device": "auto"}, {}, 0),
+        ({"device": "cpu"}, {"gpus_per_trial": 1}, 1),
+        ({"device": "cuda"}, {"gpus_per_trial": 2}, 2),
+    ],
+)
+def test_gpus_per_trial_follows_the_device_unless_it_is_set(trial, ray, gpus):
+    exp = make(trial=trial, ray=ray)
+    assert exp.ray.gpus_per_trial == ray.get("gpus_per_trial")
+    assert exp.gpus_per_trial == gpus
+
+
 def test_drift_and_max_repeats_are_read_with_their_defaults(tmp_path):
     table = tmp_path / "t.csv"
     table.write_text("batch_size,num_devices,micro_batch_size,samples_per_s\n32,1,32,10\n")

@@ -122,7 +122,7 @@ BASE = {
             r"trial\.table and runs nothing",
         ),
         (
-            ["trial.device=cuda"],
+            ["trial.device=cuda", "ray.gpus_per_trial=0"],
             r"ray\.gpus_per_trial: ddp on cuda gives each worker its own GPU, and "
             r"ray\.gpus_per_trial is 0; set ray\.gpus_per_trial: 1",
         ),

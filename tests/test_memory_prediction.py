@@ -80,6 +80,24 @@ def test_a_cuda_device_is_predicted_without_one_in_bf16_and_without_a_process_ba
     assert p.peak_memory_bytes == states + p.activations_bytes + p.collective_buffers_bytes
 
 
+def test_a_cuda_ddp_fsdp_experiment_needs_no_ray_section(tmp_path, capsys):
+    """ray.gpus_per_trial follows the device (a GPU for each worker on cuda): neither
+    `mbtune validate` nor `mbtune memory` asks for a Ray setting that predicting does not
+    use."""
+    experiment = raw(device="cuda", precision="auto", parallel="ddp", sharding="fsdp")
+    path = write(tmp_path, experiment)
+    assert "ray" not in yaml.safe_load(path.read_text())
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().err == ""
+    code, out, err = memory(capsys, path, "--json")
+    assert (code, err) == (0, "")
+    got = json.loads(out)
+    assert (got["device"], got["sharding"], got["precision"]) == ("cuda", "fsdp", "bf16")
+    assert got["num_devices"] == 2 and got["parts"]["process_baseline_bytes"] == 0
+    assert got["peak_memory_bytes"] == sum(got["parts"].values()) > 0
+    assert parse_experiment(experiment).gpus_per_trial == 1
+
+
 @pytest.mark.parametrize(("sharding", "shards"), [("none", 1), ("fsdp", 2)])
 def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(sharding, shards):
     # a card's AdamW is the multi-tensor one: its step holds the second moments' square
@@ -89,7 +107,6 @@ def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(sha
     experiment = raw(heavy, precision="fp32", parallel="ddp", sharding=sharding)
     cpu = predict_memory(parse_experiment(experiment), BatchConfig(4, 2, 2))
     experiment["trial"]["device"] = "cuda"
-    experiment["ray"] = {"gpus_per_trial": 1}
     card = predict_memory(parse_experiment(experiment), BatchConfig(4, 2, 2))
     rank_parameters = 4 * card.num_parameters / shards  # fp32 bytes of this rank's shard
     assert card.optimizer_state_bytes == pytest.approx(3 * rank_parameters, rel=0.02)

@@ -40,7 +40,7 @@ def test_the_starter_validates_with_what_was_asked(
     assert exp.train_input.micro_batch_size == mode
     assert exp.trial.backend == "torch" and exp.search.space.num_devices == (1, 2)
     assert exp.trial.precision == "auto" and exp.trial.compile
-    assert exp.ray.gpus_per_trial == (1 if device == "cuda" else 0)
+    assert exp.gpus_per_trial == (1 if device == "cuda" else 0)  # the default follows it
     # on a CPU a memory budget (nothing else would say oom); on a GPU the card's own
     assert exp.trial.device_memory == (4 * 2**30 if device == "cpu" else None)
     assert len(exp.configs()) == {"auto": 11, "explore": 48, "none": 2}[mode]

@@ -98,7 +98,7 @@ class Experiment:
                 "ddp runs real workers, but the replay backend answers from trial.table and "
                 "runs nothing; use parallel: simulate with backend: replay",
             )
-        gpus = self.ray.gpus_per_trial
+        gpus = self.gpus_per_trial
         if self.trial.device == "cuda" and gpus == 0:
             raise ConfigError(
                 "ray.gpus_per_trial",
@@ -125,6 +125,16 @@ class Experiment:
         ``ray.cpus_per_trial``, at least one (Ray's rule for OMP_NUM_THREADS), also in
         `mbtune trial`, so that it measures what a search measures."""
         return max(1, int(self.ray.cpus_per_trial))
+
+    @property
+    def gpus_per_trial(self) -> float:
+        """``ray.gpus_per_trial``, resolved for the trial's device where it is not set: a GPU
+        for each trial (with ``parallel: ddp``, each worker) where ``trial.device`` is cuda,
+        none otherwise. What a search and a ddp trial ask Ray for; `mbtune memory` and
+        `mbtune validate` need no ``ray`` section for a cuda experiment."""
+        if self.ray.gpus_per_trial is not None:
+            return self.ray.gpus_per_trial
+        return 1.0 if self.trial.device == "cuda" else 0.0
 
     @property
     def user_config(self) -> BatchConfig | None:

@@ -87,8 +87,9 @@ class RayConfig:
     cpus_per_trial: float = number(1.0, minimum=0.0)
     """CPUs of one trial. With ``trial.parallel: ddp``: of each of its num_devices workers
     (the trial itself, which only waits for them, takes none)."""
-    gpus_per_trial: float = number(0.0, minimum=0.0)
-    """GPUs of one trial; with ``trial.parallel: ddp``, of each worker (a whole number)."""
+    gpus_per_trial: float | None = number(None, minimum=0.0)
+    """GPUs of one trial; with ``trial.parallel: ddp``, of each worker (a whole number).
+    None: one where ``trial.device`` is cuda, else none (``Experiment.gpus_per_trial``)."""
     max_concurrent_trials: int = number(1)
     """Trials run at once."""
     resource_wait_s: float = number(120.0, minimum=0.0)

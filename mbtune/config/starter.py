@@ -37,9 +37,9 @@ __all__ = ["DEVICES", "HF_SIZE_KEYS", "Sizing", "starter_text", "write_starter"]
 
 DEVICES = tuple(d for d in trial.DEVICES if d != "auto")
 """The devices a starter is written for: trial.device's, but ``auto``. A starter writes
-what its device needs (a GPU per trial, the card's memory or a CPU's budget, a longer
-timeout), so it must know the device when it is written; ``auto`` is decided only when a
-trial runs, on whatever machine that is."""
+what its device needs (the card's memory or a CPU's budget, a longer timeout; a GPU per
+trial follows from the device), so it must know the device when it is written; ``auto``
+is decided only when a trial runs, on whatever machine that is."""
 
 HF_SIZE_KEYS = {
     "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
@@ -133,7 +133,6 @@ def starter_text(
         "ray:",
         _line("  address: null", "null: an embedded Ray; auto or HOST:PORT: a cluster"),
         "  cpus_per_trial: 1",
-        f"  gpus_per_trial: {1 if cuda else 0}",
         _line("  max_concurrent_trials: 1", "trials measured at once (they disturb each other)"),
         "output_dir: runs",
     ]  # fmt: skip

@@ -254,7 +254,7 @@ def predict_out_of_memory(
         return []
     gpus = 0
     if tr.device_memory is None:
-        if tr.device == "cpu" or not exp.ray.gpus_per_trial:
+        if tr.device == "cpu" or not exp.gpus_per_trial:
             return []  # no budget: a CPU trial has none, a CUDA card's is read on the card
         if ray.cluster_resources().get("GPU", 0) < 1:
             return []  # no card to read it from (nor to run a trial on)
@@ -379,7 +379,7 @@ def trial_resources(exp: Experiment) -> dict[str, float]:
     it holds one byte of Ray's memory resource instead."""
     if exp.trial.parallel == "ddp":
         return {"cpu": 0, "gpu": 0, "memory": 1}
-    return {"cpu": exp.ray.cpus_per_trial, "gpu": exp.ray.gpus_per_trial}
+    return {"cpu": exp.ray.cpus_per_trial, "gpu": exp.gpus_per_trial}
 
 
 def _is_ddp(exp: Experiment) -> bool:

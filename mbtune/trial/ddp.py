@@ -89,7 +89,7 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> Measuremen
 
     tr = exp.trial
     deadline = time.time() + tr.timeout_s  # from the call: worker start-up counts
-    use_gpu = tr.device != "cpu" and exp.ray.gpus_per_trial > 0
+    use_gpu = tr.device != "cpu" and exp.gpus_per_trial > 0
     base = Measurement(config=config, device="cuda" if use_gpu else "cpu")
     # as a search starts or joins Ray (a quiet embedded one unless ray.address names a
     # cluster); bad input there is a one-line MbtuneError, ray:// is refused
@@ -100,7 +100,7 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> Measuremen
 
     resources = {"CPU": exp.ray.cpus_per_trial}
     if use_gpu:
-        resources["GPU"] = exp.ray.gpus_per_trial
+        resources["GPU"] = exp.gpus_per_trial
     with tempfile.TemporaryDirectory(prefix="mbtune-ddp-") as storage, _train_env(deadline):
         trainer = TorchTrainer(
             _rank_main,
@@ -146,8 +146,8 @@ def _resources_problem(exp: Experiment, workers: int) -> str | None:
 
     have = ray.cluster_resources()
     wanted = (("CPU", exp.ray.cpus_per_trial, "cpus_per_trial"),)
-    if exp.trial.device != "cpu" and exp.ray.gpus_per_trial > 0:
-        wanted += (("GPU", exp.ray.gpus_per_trial, "gpus_per_trial"),)
+    if exp.trial.device != "cpu" and exp.gpus_per_trial > 0:
+        wanted += (("GPU", exp.gpus_per_trial, "gpus_per_trial"),)
     for name, each, key in wanted:
         if each * workers > have.get(name, 0) + 1e-9:
             return (
