@@ -133,6 +133,29 @@ def test_the_map_reader_reads_every_form_of_a_name():
 
 # --- the shape --------------------------------------------------------------------------
 
+MAX_LINES = 500
+"""The longest a module may be: one longer holds more than one concern; split it by them,
+the split saying what each part is for (docs/design.md's map)."""
+
+
+def too_long(modules: dict[str, Path], limit: int = MAX_LINES) -> list[str]:
+    """``name: N lines`` for each of ``modules`` (a path by its name) longer than ``limit``."""
+    counts = {name: len(path.read_text().splitlines()) for name, path in modules.items()}
+    return [f"{name}: {n} lines" for name, n in counts.items() if n > limit]
+
+
+def test_no_module_is_over_500_lines():
+    long = too_long(MODULES)
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_line_count_refuses_a_501_line_module(tmp_path):
+    module = tmp_path / "long.py"
+    module.write_text("x = 1\n" * 501)
+    assert too_long({"long": module}) == ["long: 501 lines"]
+    module.write_text("x = 1\n" * 500)
+    assert too_long({"long": module}) == []
+
 
 def test_no_import_circle():
     graph = {
