@@ -2,7 +2,7 @@
 
 The package imports neither torch nor ray; the modules that need them import them when
 they are used. ``load_run`` and ``load_runs`` (mbtune.runs.load) import pandas on first use,
-``load_plan`` (mbtune.plan.planner) pandas and scipy, and torch to count the model's bytes.
+``load_plan`` (mbtune.plan.load) pandas and scipy, and torch to count the model's bytes.
 """
 
 from typing import Any
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_run": "mbtune.runs.load",
     "load_runs": "mbtune.runs.load",
-    "load_plan": "mbtune.plan.planner",
+    "load_plan": "mbtune.plan.load",
 }
 
 
@@ -37,3 +37,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mbtune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy names too: dir(mbtune) and a shell's completion list every public name
+    return sorted({*globals(), *__all__})

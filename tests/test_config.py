@@ -489,6 +489,7 @@ RULES = [
     (PlanConfig, dict(steps=1.5)),
     (PlanConfig, dict(samples=1.0, num_devices=())),
     (PlanConfig, dict(samples=1.0, num_devices=(0, 8))),
+    (PlanConfig, dict(samples=1.0, batch_size=0)),
     (PlanConfig, dict(samples=1.0, devices_per_node=0)),
     (PlanConfig, dict(samples=1.0, price_per_device_hour=-1)),
     (PlanConfig, dict(samples=1.0, max_slowdown=-0.1)),

@@ -10,11 +10,12 @@ import pandas as pd
 import pytest
 
 from mbtune.cli import main
+from mbtune.comm import Link, step_traffic, two_tier_s
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.comm import Link, step_traffic, two_tier_s
-from mbtune.plan.planner import Interval, make_plan, plan_run
+from mbtune.plan.load import plan_run
+from mbtune.plan.planner import Interval, make_plan
 from mbtune.runs.rundir import read_trials
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -301,6 +302,53 @@ def test_a_run_without_a_plan_or_trials_is_one_line_and_exit_2(tmp_path, capsys)
     assert "is not an mbtune run directory" in capsys.readouterr().err
 
 
+def test_mbtune_plan_writes_its_table_and_plot_into_the_run_as_analyze_does(
+    tmp_path, capsys, counted_bytes
+):
+    run = exact_run(tmp_path)
+    assert main(["plan", str(run), "--set", "plan.samples=2e9"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith(f"\nplan: {run / 'plan.csv'}, {run / 'plot-plan.png'}\n")
+    assert (run / "plot-plan.png").read_bytes().startswith(PNG_MAGIC)
+    expected = plan_run(run, ["plan.samples=2e9"], grad_bytes=GRAD_BYTES).as_frame()
+    pd.testing.assert_frame_equal(pd.read_csv(run / "plan.csv"), expected, check_dtype=False)
+    # analyze --set writes the same files, through the same function
+    (run / "plot-plan.png").unlink()
+    assert main(["analyze", str(run), "--set", "plan.samples=2e9"]) == 0
+    assert f"plan: {run / 'plan.csv'}, {run / 'plot-plan.png'}\n" in capsys.readouterr().out
+    pd.testing.assert_frame_equal(pd.read_csv(run / "plan.csv"), expected, check_dtype=False)
+    # --json keeps stdout the object: the files are named on stderr; --no-plots: no plot
+    (run / "plot-plan.png").unlink()
+    assert main(["plan", str(run), "--json", "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["fastest"] and err.endswith(f"plan: {run / 'plan.csv'}\n")
+    assert not (run / "plot-plan.png").exists()
+
+
+def test_plan_batch_size_plans_a_device_count_the_run_s_batch_cannot_be_split_over(
+    tmp_path, capsys, counted_bytes
+):
+    run = exact_run(tmp_path, plan={"samples": 1e9})  # batch 512, micro-batches 4, 8, 16
+    assert main(["plan", str(run), "--set", "plan.num_devices=[8, 1024]", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "     1024  no plan: the search space holds no configuration at 1024 devices: its "
+        "batch_size 512 cannot be split over 1024; plan.batch_size=4096 would plan it\n"
+    ) in out  # 1024 or 2048 would leave each device 1 or 2 samples: no micro-batch of 4
+    assert main(["plan", str(run), "--set", "plan.num_devices=[8, 1024]",
+                 "--set", "plan.batch_size=4096", "--no-plots"]) == 0  # fmt: skip
+    assert "no plan" not in capsys.readouterr().out
+    best = pd.read_csv(run / "plan.csv").query("best")
+    assert best[["num_devices", "batch_size"]].values.tolist() == [[8, 4096], [1024, 4096]]
+    assert main(["plan", str(run), "--set", "plan.num_devices=[1024]",
+                 "--set", "plan.batch_size=1000"]) == 2  # fmt: skip
+    assert capsys.readouterr().err == (
+        "mbtune: error: plan.num_devices: no planned device count has a configuration: the "
+        "search space holds no configuration at 1024 devices: plan.batch_size 1000 cannot be "
+        "split over 1024; plan.batch_size=4096 would plan it\n"
+    )
+
+
 def test_gradient_bytes_counts_the_model_on_the_meta_device():
     pytest.importorskip("torch")
     from mbtune.models.build import build_from_config
@@ -394,14 +442,29 @@ def test_the_plan_as_a_data_frame_holds_every_configuration_considered(tmp_path)
     )
 
 
-def test_mbtune_load_plan_is_the_plan_s_frame(tmp_path):
+def test_mbtune_load_plan_reads_the_run_s_plan_csv_or_plans_with_python_values(
+    tmp_path, capsys, counted_bytes
+):
     import mbtune
 
+    assert set(mbtune.__all__) <= set(dir(mbtune))  # the lazy names too
     run = exact_run(tmp_path)
-    frame = mbtune.load_plan(run, ["plan.samples=2e9"], grad_bytes=GRAD_BYTES)
-    expected = plan_run(run, ["plan.samples=2e9"], grad_bytes=GRAD_BYTES).as_frame()
+    frame = mbtune.load_plan(run, samples=2e9, num_devices=np.array([8, 64]))
+    expected = plan_run(run, ["plan.samples=2e9", "plan.num_devices=[8, 64]"]).as_frame()
     pd.testing.assert_frame_equal(frame, expected)
-    assert (frame["samples"] == 2e9).all()
+    assert (frame["samples"] == 2e9).all() and not (run / "plan.csv").exists()
+    with pytest.raises(MbtuneError, match=r"^plan\.samples: must be positive, got -1$"):
+        mbtune.load_plan(run, samples=-1)
+    # without keys: the plan.csv that mbtune plan wrote; else the experiment's section
+    assert main(["plan", str(run), "--set", "plan.samples=3e9", "--no-plots"]) == 0
+    capsys.readouterr()
+    pd.testing.assert_frame_equal(mbtune.load_plan(run), pd.read_csv(run / "plan.csv"))
+    assert (mbtune.load_plan(run)["samples"] == 3e9).all()
+    (run / "plan.csv").unlink()
+    assert (mbtune.load_plan(run)["samples"] == 1e9).all()
+    bare = make_run(tmp_path / "bare", [exact_row(512, 1, 8)])
+    with pytest.raises(MbtuneError, match=r"give one with its keys, e\.g\. mbtune\.load_plan\("):
+        mbtune.load_plan(bare)
 
 
 # -- in mbtune analyze ------------------------------------------------------------
@@ -480,8 +543,8 @@ def test_a_plan_section_that_cannot_be_planned_leaves_the_report_and_says_why(
     assert "trials, best first by samples_per_s:" in out
     assert out.rstrip().endswith(
         "mbtune: no plan: plan.num_devices: no planned device count has a configuration: the "
-        "search space holds no configuration at 1024 devices: its batch_size cannot be split "
-        "over 1024"
+        "search space holds no configuration at 1024 devices: its batch_size 512 cannot be "
+        "split over 1024; plan.batch_size=4096 would plan it"
     )
     assert not (run / "plan.csv").exists()
 
@@ -600,8 +663,8 @@ def test_a_device_count_without_a_configuration_is_said_and_none_at_all_is_one_l
     plan = plan_of(run, "plan.num_devices=[8, 1024]")
     assert [r.config.num_devices for r in plan.rows] == [8]
     assert plan.skipped == (
-        (1024, "the search space holds no configuration at 1024 devices: its batch_size "
-               "cannot be split over 1024"),
+        (1024, "the search space holds no configuration at 1024 devices: its batch_size 512 "
+               "cannot be split over 1024; plan.batch_size=4096 would plan it"),
     )  # fmt: skip
     with pytest.raises(MbtuneError, match=r"^plan\.num_devices: no planned device count has a "):
         plan_of(run, "plan.num_devices=[1024]")

@@ -29,15 +29,19 @@ from mbtune.lattice import BatchConfig
 from mbtune.report import export_header
 from mbtune.runs.load import RunInfo, load_run, run_info
 from mbtune.runs.record import SIZES
+from mbtune.runs.rundir import RunDir
 
 if TYPE_CHECKING:  # mbtune.plan imports scipy: only a run with a plan pays for it
     from mbtune.plan.planner import Plan
 
-__all__ = ["PLAN_TABLE", "analyze", "compare_two", "export_run", "report_one", "run_plan"]
-
-PLAN_TABLE = "plan.csv"
-"""The plan as a table (every configuration considered at each planned device count, with
-its 90% intervals: mbtune.plan.Plan.as_frame), written into the run directory."""
+__all__ = [
+    "analyze",
+    "compare_two",
+    "export_run",
+    "report_one",
+    "run_plan",
+    "write_plan",
+]
 
 
 def analyze(
@@ -101,28 +105,39 @@ def report_one(
         text = "\n".join(plan_lines(plan))
         print("\n" + (f"```\n{text}\n```" if fmt == "markdown" else text))
     if plots:
-        from mbtune.analysis.plots import PLAN_PLOT, plan_figure, save, write_plots
+        from mbtune.analysis.plots import write_plots
 
         written, skipped = write_plots(trials, info)
-        if plan is not None:
-            written.append(save(plan_figure(plan, title=info.name), info.path / PLAN_PLOT))
         print("plots: " + ", ".join(str(p) for p in written), file=notes)
         for line in skipped:
             print(line, file=notes)
     if plan is not None:
-        path = info.path / PLAN_TABLE
-        try:
-            plan.as_frame().to_csv(path, index=False)
-        except OSError as e:
-            raise MbtuneError(f"cannot write {path}: {e.strerror or e}") from None
-        print(f"plan: {path}", file=notes)
+        write_plan(plan, info, plot=plots, notes=notes)
+
+
+def write_plan(plan: Plan, info: RunInfo, *, plot: bool, notes: TextIO) -> list[Path]:
+    """Write ``plan`` into its run's directory, as ``mbtune analyze`` and ``mbtune plan``
+    both do: plan.csv and, with ``plot``, plot-plan.png; one line on ``notes`` names
+    them. The files written."""
+    path = RunDir(info.path).plan_file
+    try:
+        plan.as_frame().to_csv(path, index=False)
+    except OSError as e:
+        raise MbtuneError(f"cannot write {path}: {e.strerror or e}") from None
+    written = [path]
+    if plot:
+        from mbtune.analysis.plots import PLAN_PLOT, plan_figure, save
+
+        written.append(save(plan_figure(plan, title=info.name), info.path / PLAN_PLOT))
+    print("plan: " + ", ".join(str(p) for p in written), file=notes)
+    return written
 
 
 def run_plan(info: RunInfo, overrides: Sequence[str], *, notes: TextIO) -> Plan | None:
     """The plan of ``info``'s run: its experiment's plan section with ``overrides``. Where
     the section alone cannot be planned, one line on ``notes`` says why and the report
     stands (None); what ``--set`` asked for is an error."""
-    from mbtune.plan.planner import plan_run
+    from mbtune.plan.load import plan_run
 
     try:
         return plan_run(info.path, overrides)

@@ -224,7 +224,9 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from mbtune.analysis.analyze import write_plan
     from mbtune.plan import plan_lines, plan_run
+    from mbtune.runs.load import run_info
 
     plan = plan_run(args.run, args.overrides)
     if args.json:
@@ -232,6 +234,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"mbtune: {plan.link_basis}", file=sys.stderr)
     else:
         print("\n".join(plan_lines(plan)))
+    notes = sys.stderr if args.json else sys.stdout
+    write_plan(plan, run_info(args.run), plot=not args.no_plots, notes=notes)
     return 0
 
 

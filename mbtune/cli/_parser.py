@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the all-reduce over two tiers of links) and plan the experiment's plan section: "
         "for each planned device count the best configuration, its samples/s, hours, "
         "device-hours and cost with 90% intervals; then the fastest, the cheapest, and the "
-        "cheapest within plan.max_slowdown of the fastest (docs/plan.md).",
+        "cheapest within plan.max_slowdown of the fastest; written to RUN_DIR/plan.csv and "
+        "plot-plan.png, as mbtune analyze --set plan.KEY=VALUE does (docs/plan.md).",
     )
     plan.add_argument("run", metavar="RUN_DIR", help="a run directory")
     plan.add_argument(
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help='print one object: {"rows": [...], "fastest", "cheapest", "cheapest_within"}',
+    )
+    plan.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="write no plot-plan.png (plan.csv is written into RUN_DIR either way)",
     )
 
     watch = commands.add_parser(

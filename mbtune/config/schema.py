@@ -151,6 +151,10 @@ class PlanConfig:
     """Optimizer steps of the real run: samples = steps x each configuration's batch_size."""
     num_devices: tuple[int, ...] = (8, 64, 256)
     """The device counts to plan for."""
+    batch_size: int | None = number(None)
+    """The global batch of the real run, at every planned device count (the micro-batch
+    sizes those of the run's space); None: the run's own (its space's). A larger one plans
+    device counts the run's batch cannot be split over."""
     devices_per_node: int = number(8)
     """Devices in one node: a device count above it crosses the inter-node tier."""
     price_per_device_hour: float | None = number(None, minimum=0.0, maximum=1e6)

@@ -10,15 +10,8 @@ and scipy.
 """
 
 from mbtune.plan.fit import StepModel, fit_step_model, measurements
-from mbtune.plan.planner import (
-    Interval,
-    Plan,
-    PlanRow,
-    load_plan,
-    make_plan,
-    plan_lines,
-    plan_run,
-)
+from mbtune.plan.load import load_plan, plan_run
+from mbtune.plan.planner import Interval, Plan, PlanRow, make_plan, plan_lines
 
 __all__ = [
     "Interval",

@@ -11,7 +11,6 @@ three follow from samples/s by monotone maps, so each interval is samples/s's, m
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -21,29 +20,25 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from mbtune.config.experiment import Experiment
-from mbtune.config.load import load_experiment
 from mbtune.config.rules import ConfigError
 from mbtune.config.schema import PlanConfig
+from mbtune.config.search import IntRange
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, measurements
 from mbtune.plan.nccl import read_nccl_tests
 from mbtune.recommend.confidence import MAX_SCORE, TOLERANCE
 from mbtune.runs.record import TrialRecord
-from mbtune.runs.rundir import RunDir, read_trials
 
 __all__ = [
     "LEVEL",
     "Interval",
     "Plan",
     "PlanRow",
-    "load_plan",
     "make_plan",
     "plan_lines",
-    "plan_run",
 ]
 
 LEVEL = 0.90
@@ -192,73 +187,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------
-# from a run directory
-
-
-def plan_run(
-    run_dir: str | Path,
-    overrides: Sequence[str] = (),
-    *,
-    grad_bytes: int | None = None,
-    draws: int = DRAWS,
-) -> Plan:
-    """The plan of a run directory, its experiment's plan section with ``--set``
-    ``overrides``; ``grad_bytes`` None: counted from the model on the meta device."""
-    for item in overrides:
-        if not item.startswith("plan."):
-            raise ConfigError(
-                "--set",
-                f"mbtune plan sets the plan's keys only (plan.KEY=VALUE), got {item!r}: the "
-                "run's trials were measured with its own experiment",
-            )
-    overrides = [_from_here(item) for item in overrides]
-    run = RunDir.open(run_dir)
-    experiment = load_experiment(run.experiment_file, overrides)
-    if experiment.plan is None:
-        raise ConfigError(
-            "plan",
-            "the run's experiment has no plan section; give one with --set, e.g. "
-            "--set plan.samples=1e9 --set plan.num_devices=[8,64,256] (docs/plan.md)",
-        )
-    records = read_trials(run.trials_file).records
-    if not any(r.status == "ok" and r.samples_per_s for r in records):
-        raise MbtuneError(
-            f"RUN_DIR: {run.path} has no measured trial (status ok) to plan from; "
-            "run or resume the search first"
-        )
-    if grad_bytes is None:
-        from mbtune.plan.model_bytes import gradient_bytes  # imports torch
-
-        grad_bytes = gradient_bytes(experiment.model)
-    return make_plan(experiment, records, grad_bytes=grad_bytes, draws=draws)
-
-
-def load_plan(
-    run_dir: str | Path, overrides: Sequence[str] = (), *, grad_bytes: int | None = None
-) -> pd.DataFrame:
-    """``mbtune.load_plan``: the plan of a run directory as pandas (:meth:`Plan.as_frame`:
-    one row per planned device count and configuration, with 90% intervals)."""
-    return plan_run(run_dir, overrides, grad_bytes=grad_bytes).as_frame()
-
-
-def _from_here(item: str) -> str:
-    """``plan.nccl_tests=PATH`` with PATH made absolute from the current directory: the
-    command line's paths are the user's, not the run directory's (where the experiment
-    file, which relative paths follow, lives)."""
-    key, _, value = item.partition("=")
-    if key != "plan.nccl_tests" or not value.strip():
-        return item
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError:
-        return item  # the loader reports it
-    items = [parsed] if isinstance(parsed, str) else parsed
-    if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
-        return item
-    return f"{key}={json.dumps([str(Path(p).absolute()) for p in items])}"
-
-
-# ---------------------------------------------------------------------------
 # the plan
 
 
@@ -356,11 +284,16 @@ def _links(plan: PlanConfig) -> tuple[tuple[tuple[float, float, float], ...], li
     return (tiers["intra_node"], tiers["inter_node"]), sources
 
 
-def _configs_at(experiment: Experiment, n: int) -> list[BatchConfig]:
-    """The configurations the experiment's space holds at n devices (its batch sizes and
-    micro-batch sizes, its checkpointing settings); none where it holds none."""
+def _configs_at(experiment: Experiment, n: int, batch_size: int | None = None) -> list[BatchConfig]:
+    """The configurations the experiment's space holds at n devices (its batch sizes, or
+    ``batch_size``, else ``plan.batch_size``, and its micro-batch sizes, its checkpointing
+    settings); none where it holds none."""
     search = experiment.search
+    plan = experiment.plan
+    batch = batch_size or (plan.batch_size if plan is not None else None)
     space = dataclasses.replace(search.space, num_devices=(n,))
+    if batch is not None:
+        space = dataclasses.replace(space, batch_size=batch)
     try:
         at_n = dataclasses.replace(
             experiment,
@@ -373,17 +306,53 @@ def _configs_at(experiment: Experiment, n: int) -> list[BatchConfig]:
 
 
 def _why_none(experiment: Experiment, model: StepModel, n: int) -> str:
+    """Why no configuration at n devices can be planned, and the plan.batch_size that
+    would plan one there, where one would."""
     if not _configs_at(experiment, n):
-        return (
-            f"the search space holds no configuration at {n} devices: its batch_size "
-            f"cannot be split over {n}"
+        why = (
+            f"the search space holds no configuration at {n} devices: "
+            f"{_batch_named(experiment)} cannot be split over {n}"
         )
-    sizes = ", ".join(f"{m}" for m in sorted(set(model.largest_micro_batch.values())))
-    return (
-        f"every configuration at {n} devices needs a micro-batch larger than the largest "
-        f"that ran ({sizes}) or a setting of the step (activation checkpointing, sharding) "
-        "the run did not measure"
-    )
+    else:
+        sizes = ", ".join(f"{m}" for m in sorted(set(model.largest_micro_batch.values())))
+        why = (
+            f"every configuration at {n} devices needs a micro-batch larger than the largest "
+            f"that ran ({sizes}) or a setting of the step (activation checkpointing, "
+            "sharding) the run did not measure"
+        )
+    batch = _plannable_batch(experiment, model, n)
+    return why + (f"; plan.batch_size={batch} would plan it" if batch is not None else "")
+
+
+def _batch_named(experiment: Experiment) -> str:
+    """The batch the plan splits, as a reason names it."""
+    batch = _batch_of(experiment)
+    if experiment.plan is not None and experiment.plan.batch_size is not None:
+        return f"plan.batch_size {batch}"
+    if isinstance(batch, IntRange):
+        return f"its batch_size ({batch.min} to {batch.max})"
+    return f"its batch_size {batch}"
+
+
+def _batch_of(experiment: Experiment) -> int | IntRange:
+    """The batch the plan splits: ``plan.batch_size``, else the run's (its space's)."""
+    plan, space = experiment.plan, experiment.search.space
+    if plan is not None and plan.batch_size is not None:
+        return plan.batch_size
+    return space.batch_size if space.batch_size is not None else experiment.train_input.batch_size
+
+
+def _plannable_batch(experiment: Experiment, model: StepModel, n: int) -> int | None:
+    """The global batch nearest the plan's (on a log scale) that n devices split into a
+    configuration the fit predicts: a multiple of n, a power of two times n; None where
+    none of them does (a setting the run did not measure)."""
+    batch = _batch_of(experiment)
+    batch = batch.max if isinstance(batch, IntRange) else batch
+    candidates = {n * 2**i for i in range(20)} | {n * -(-batch // n)}
+    for b in sorted(candidates, key=lambda b: (abs(math.log(b / batch)), b)):
+        if b != batch and any(model.feasible(c) for c in _configs_at(experiment, n, b)):
+            return b
+    return None
 
 
 def _best_row(

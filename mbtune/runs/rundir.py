@@ -8,6 +8,8 @@ NAME-YYYYmmdd-HHMMSS/
                       at once
     recommendations.jsonl  the recommendation after each finished trial (one JSON a line)
     summary.json      the final summary (written atomically)
+    plan.csv          the plan, where ``mbtune plan`` or ``mbtune analyze`` planned the run
+                      (mbtune.plan.Plan.as_frame; plot-plan.png its plot)
     optuna.db         the Optuna study (open it with optuna-dashboard)
     ray/              Ray Tune's own experiment state
 """
@@ -30,10 +32,13 @@ from mbtune.errors import MbtuneError
 from mbtune.lattice import LatticeError
 from mbtune.runs.record import CSV_COLUMNS, SIZES, TrialRecord, cell
 
-__all__ = ["SUMMARY_FILE", "TRIAL_COLUMNS", "RunDir", "Trials", "read_trials"]
+__all__ = ["PLAN_FILE", "SUMMARY_FILE", "TRIAL_COLUMNS", "RunDir", "Trials", "read_trials"]
 
 SUMMARY_FILE = "summary.json"
 """The end of a run: written once, when the search ends (atomically); none while it runs."""
+PLAN_FILE = "plan.csv"
+"""The plan as a table (every configuration considered at each planned device count, with
+its 90% intervals: mbtune.plan.Plan.as_frame), where the run was planned."""
 
 TRIAL_COLUMNS = CSV_COLUMNS
 """The columns of trials.csv: mbtune.runs.record says what each holds."""
@@ -70,6 +75,10 @@ class RunDir:
     @property
     def trials_file(self) -> Path:
         return self.path / "trials.csv"
+
+    @property
+    def plan_file(self) -> Path:
+        return self.path / PLAN_FILE
 
     @property
     def recommendations_file(self) -> Path:
