@@ -134,7 +134,8 @@ def measure(world: dict, rng: np.random.Generator, chosen: np.random.Generator |
             TrialRecord(
                 trial=i, status="ok", batch_size=c.batch_size, num_devices=c.num_devices,
                 micro_batch_size=c.micro_batch_size, pipeline_stages=1,
-                samples_per_s=c.batch_size / median, step_time_ms_median=median * 1e3,
+                samples_per_s=c.batch_size / median, objective=c.batch_size / median,
+                step_time_ms_median=median * 1e3,
                 step_time_ms_iqr=float(q3 - q1) * 1e3,
                 step_times_ms=tuple(float(s) * 1e3 for s in steps),
                 comm_time_ms=0.0, backend="replay", parallel="simulate",

@@ -196,29 +196,6 @@ def test_a_sharded_trial_on_two_workers_has_the_loss_of_one_process(ray_session)
 # -- simulate: rank 0 of N alone on the fake process group ------------------------------
 
 
-def test_a_unit_gathered_and_scattered_once_moves_an_all_reduce():
-    from mbtune.trial.trial import fsdp_sync_s, ring_allreduce_s, ring_gather_s
-
-    link = (1e9, 5e-6)
-    one = BatchConfig(4, 4, 1, reshard_after_forward=False)  # g = 1, root only
-    assert fsdp_sync_s(((1000, 1000),), one, *link) == pytest.approx(
-        ring_allreduce_s(1000, 4, *link)
-    )
-    assert ring_gather_s(1000, 4, *link) == pytest.approx(0.75 * 1000 / 1e9 + 3 * 5e-6)
-    # a block and the root, g = 2: the block gathered twice a micro-batch (reshard after
-    # forward), the root once; reduce-scattered once a step (last) or per micro-batch
-    units, rs = ((400, 800), (100, 200)), ring_gather_s
-    last = BatchConfig(8, 4, 1)
-    assert fsdp_sync_s(units, last, *link) == pytest.approx(
-        4 * rs(400, 4, *link) + rs(800, 4, *link) + 2 * rs(100, 4, *link) + rs(200, 4, *link)
-    )
-    every = BatchConfig(8, 4, 1, grad_sync="every")
-    assert fsdp_sync_s(units, every, *link) == pytest.approx(
-        4 * rs(400, 4, *link) + 2 * rs(800, 4, *link) + 2 * rs(100, 4, *link)
-        + 2 * rs(200, 4, *link)
-    )  # fmt: skip
-
-
 def test_a_simulated_sharded_trial_holds_rank_0s_shard_and_models_fsdps_collectives():
     """N = 4 simulated: rank 0 alone on the fake process group holds a quarter of the
     weights, gradients and Adam states (the peak is below the unsharded simulated trial's),

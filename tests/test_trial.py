@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mbtune.cli import main
+from mbtune.comm import all_reduce
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -18,7 +19,7 @@ from mbtune.trial.collectives import OneProcess
 from mbtune.trial.measure import Measurement, measure
 from mbtune.trial.replay import ReplayTable
 from mbtune.trial.step import accumulate_gradients, rank_batch
-from mbtune.trial.trial import result_of, ring_allreduce_s, run_trial
+from mbtune.trial.trial import result_of, run_trial
 
 
 def experiment(model="mlp", batch_size=16, micro="auto", trial=None, **train_input):
@@ -91,12 +92,6 @@ def test_split_batch_gives_consecutive_views():
     assert parts[1][1].tolist() == [30, 40]
 
 
-def test_ring_allreduce_formula():
-    assert ring_allreduce_s(10**9, 1, 1e9, 1e-5) == 0.0
-    # 2 (n - 1) / n * S / bw + 2 (n - 1) * latency, n = 4
-    assert ring_allreduce_s(10**9, 4, 1e9, 1e-5) == pytest.approx(1.5 + 6e-5)
-
-
 # -- measurement --------------------------------------------------------------------
 
 
@@ -119,7 +114,7 @@ def test_several_devices_add_the_modelled_all_reduce():
     r = run_trial(exp, BatchConfig(16, 4, 2))
     spec = build_model("mlp", exp.model.options)
     grad_bytes = sum(p.numel() * 4 for p in spec.module.parameters())
-    assert r.comm_time_ms == pytest.approx(ring_allreduce_s(grad_bytes, 4, 1e9, 1e-5) * 1e3)
+    assert r.comm_time_ms == pytest.approx(all_reduce(grad_bytes, 4).seconds(1e9, 1e-5) * 1e3)
     assert r.per_device_batch == 4 and r.micro_batches == (2, 2)
     assert r.samples_per_s_per_device == pytest.approx(r.samples_per_s / 4)
     assert r.step_times_ms[0] > r.comm_time_ms

@@ -9,7 +9,7 @@ torch is imported, lazily: the model counted on the meta device). The fit is pur
 and scipy.
 """
 
-from mbtune.plan.fit import StepModel, fit_step_model, measurements
+from mbtune.plan.fit import StepModel, fit_step_model, observations
 from mbtune.plan.load import load_plan, plan_run
 from mbtune.plan.planner import Interval, Plan, PlanRow, make_plan, plan_lines
 
@@ -21,7 +21,7 @@ __all__ = [
     "fit_step_model",
     "load_plan",
     "make_plan",
-    "measurements",
+    "observations",
     "plan_lines",
     "plan_run",
 ]

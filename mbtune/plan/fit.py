@@ -51,16 +51,15 @@ from mbtune.recommend.noise import (
     relative_step_noise,
     step_variance,
 )
-from mbtune.recommend.observation import Observation
+from mbtune.recommend.observation import Observation, observation
 from mbtune.runs.record import TrialRecord
 
 __all__ = [
     "DRAWS",
     "PRIOR_HOLDS",
-    "Measurement",
     "StepModel",
     "fit_step_model",
-    "measurements",
+    "observations",
 ]
 
 DRAWS = 1000
@@ -78,74 +77,43 @@ _ANYTHING_SD = 2.0
 """The sd of the log of a link that is not near the prior: 7x either way at one sd."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Measurement:
-    """What one measured trial says about the step model."""
-
-    config: BatchConfig
-    """The configuration measured (its canonical micro-batch; every setting)."""
-    step_s: float
-    """The step's median time (B / samples_per_s)."""
-    sync_s: float | None
-    """The step's collectives where the trial says them apart (trials.csv's comm_time_ms:
-    modelled with ``simulate``, timed with ``ddp``; 0 on one device), taken off the step
-    time before the fit; None where they are folded into the step time (a replayed table's
-    throughput), for the fit to find."""
-    timed: Traffic | None
-    """The collectives a ``ddp`` trial timed (one all-reduce of the gradients); None where
-    none were timed."""
-    timed_s: float | None
-    """Their time (``sync_s`` is it scaled to the step's collectives)."""
-    rel_sd: float
-    """The relative sd of ``step_s``: its step times' noise and the drift between trials,
-    together, as the search's model reads them."""
-
-
-def measurements(
-    records: Sequence[TrialRecord], noise_floor: float, grad_bytes: int, sharding: str
-) -> list[Measurement]:
-    """The measured trials (status ok, with a throughput) as the fit reads them.
-
-    The noise of each is the search model's (mbtune.recommend.confidence): the run's
-    pooled step noise over the trial's step times, and the drift between trials of one
-    configuration, ``noise_floor`` pooled with the run's repeats and read as Student's t.
-    """
-    ok = [r for r in records if r.status == "ok" and r.samples_per_s and r.samples_per_s > 0]
-    staged = [r for r in ok if (r.pipeline_stages or 1) > 1]
+def observations(records: Sequence[TrialRecord]) -> list[Observation]:
+    """The run's trials that ran ok, as the models read them (the one conversion,
+    :func:`mbtune.recommend.confidence.observation`)."""
+    staged = [r for r in records if r.status == "ok" and (r.pipeline_stages or 1) > 1]
     if staged:
         raise MbtuneError(
             f"plan: the run was pipelined (pipeline_stages {staged[0].pipeline_stages}); the "
             "plan models data parallelism alone: plan a run measured with pipeline_stages: 1"
         )
-    # as the search's model sees them, read by throughput (its objective may be per device)
-    seen = [Observation(r.config.canonical(), "ok", r.samples_per_s, r.step_times_ms) for r in ok]
-    spread, _ = relative_step_noise(seen)
-    drift, dof = between_trial_drift(seen, spread, prior=noise_floor)
+    return [o for o in map(observation, records) if o.status == "ok" and o.samples_per_s]
+
+
+def _step_s(o: Observation) -> float:
+    """The step's median time (B / samples_per_s)."""
+    return o.config.batch_size / o.samples_per_s  # type: ignore[operator]
+
+
+def _said_apart(o: Observation, grad_bytes: int, sharding: str) -> float | None:
+    """The step's collectives where the trial said them apart, taken off its step time
+    before the fit: modelled (simulate), or timed (ddp: one all-reduce of the gradients,
+    scaled to the step's own, fsdp's 2g + 1 gathers); None where folded in (a replay)."""
+    if o.comm_s is None or not o.comm_timed:
+        return o.comm_s
+    timed = all_reduce(grad_bytes, o.config.num_devices)
+    step = step_traffic(o.config, grad_bytes=grad_bytes, sharding=sharding)
+    return o.comm_s * step.volume / timed.volume
+
+
+def _relative_sds(found: Sequence[Observation], noise_floor: float) -> np.ndarray:
+    """Each step time's relative sd as the search's model reads it: the run's pooled step
+    noise over the trial's step times, and the drift between trials of one configuration
+    (``noise_floor`` pooled with the run's repeats, read as Student's t)."""
+    spread, _ = relative_step_noise(found)
+    drift, dof = between_trial_drift(found, spread, prior=noise_floor)
     drift_var = drift_variance(drift, dof)
-    out = []
-    for r, o in zip(ok, seen, strict=True):
-        config = r.config.canonical()
-        comm = timed_s = timed = None
-        if r.num_devices == 1:
-            comm = 0.0
-        elif r.comm_time_ms is not None and r.backend != "replay":  # a replay's is folded in
-            comm = r.comm_time_ms / 1e3
-            if r.parallel == "ddp":  # timed: one all-reduce of the gradients' bytes
-                timed, timed_s = all_reduce(grad_bytes, r.num_devices), comm
-                step = step_traffic(config, grad_bytes=grad_bytes, sharding=sharding)
-                comm *= step.volume / timed.volume  # a step's own: fsdp's 2g + 1 gathers
-        own = step_variance(spread, o) if len(r.step_times_ms) > 1 else 0.0
-        out.append(
-            Measurement(
-                config=config,
-                step_s=r.batch_size / r.samples_per_s,
-                sync_s=comm,
-                timed=timed,
-                timed_s=timed_s,
-                rel_sd=math.sqrt(own + drift_var),
-            )
-        )
-    return out
+    own = [step_variance(spread, o) if len(o.step_times_ms) > 1 else 0.0 for o in found]
+    return np.sqrt(np.array(own) + drift_var)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +163,7 @@ class StepModel:
         if self.measured is not None and n > max(self.device_counts):
             # never cheaper than the bytes cost over the link the measurements say (their
             # latency is too unsure to floor with: a few counts barely show it)
-            data_floor = Traffic(traffic.volume) * 1.0
+            data_floor = Traffic(traffic.volume)
             sync = np.maximum(sync, two_tier_s(data_floor, n, self.per_node, self.measured,
                                                self.inter))  # fmt: skip
         return sync * np.ones_like(self.intra.bandwidth)
@@ -232,8 +200,9 @@ class StepModel:
 
 
 def fit_step_model(
-    found: Sequence[Measurement],
+    found: Sequence[Observation],
     *,
+    noise_floor: float,
     grad_bytes: int,
     sharding: str = "none",
     per_node: int,
@@ -249,7 +218,7 @@ def fit_step_model(
     rng = np.random.default_rng(seed)
     noise = rng.standard_normal((len(found), draws + 1))
     noise[:, 0] = 0.0
-    factor = np.exp(noise * np.array([f.rel_sd for f in found])[:, None])  # per trial, per draw
+    factor = np.exp(noise * _relative_sds(found, noise_floor)[:, None])  # per trial, per draw
     intra = _prior(intra_prior, rng, draws)
     inter = _prior(inter_prior, rng, draws)
     counts = tuple(sorted({f.config.num_devices for f in found}))
@@ -287,7 +256,7 @@ class _Fitted:
 
 
 def _fit(
-    found: Sequence[Measurement],
+    found: Sequence[Observation],
     factor: np.ndarray,
     grad_bytes: int,
     sharding: str,
@@ -307,12 +276,13 @@ def _fit(
     (then folded into c, as they cannot be told from the compute)."""
     groups = sorted({(f.config.settings, f.config.canonical_micro_batch_size) for f in found})
     col = {key: j for j, key in enumerate(groups)}
-    beyond = sorted({f.config.num_devices for f in found
-                     if f.sync_s is None and f.config.num_devices > per_node})  # fmt: skip
-    timed = [i for i, f in enumerate(found) if f.timed is not None and f.timed_s]
+    apart = [_said_apart(f, grad_bytes, sharding) for f in found]
+    beyond = sorted({f.config.num_devices for f, sync in zip(found, apart, strict=True)
+                     if sync is None and f.config.num_devices > per_node})  # fmt: skip
+    timed = [i for i, f in enumerate(found) if f.comm_timed and f.comm_s]
     k, rows = len(groups), len(found) + len(timed)
     a = np.zeros((rows, k + 2 + len(beyond)))  # compute | seconds a byte, a hop | s(n)
-    steps = np.array([f.step_s for f in found])[:, None] * factor
+    steps = np.array([_step_s(f) for f in found])[:, None] * factor
     b = np.zeros((rows, factor.shape[1]))
     scale = np.zeros(rows)
     link_counts = set()
@@ -320,9 +290,9 @@ def _fit(
         c = f.config
         a[i, col[c.settings, c.canonical_micro_batch_size]] = c.grad_accum_steps
         b[i] = steps[i]
-        scale[i] = f.step_s
-        if f.sync_s is not None:
-            b[i] -= f.sync_s
+        scale[i] = _step_s(f)
+        if apart[i] is not None:
+            b[i] -= apart[i]
         elif c.num_devices > per_node:
             a[i, k + 2 + beyond.index(c.num_devices)] = 1.0
         elif c.num_devices > 1:
@@ -331,9 +301,10 @@ def _fit(
             link_counts.add(c.num_devices)
     for row, i in enumerate(timed, start=len(found)):
         f = found[i]
-        a[row, k : k + 2] = f.timed.volume, f.timed.hops  # type: ignore[union-attr]
-        b[row] = f.timed_s * factor[i]
-        scale[row] = f.timed_s
+        traffic = all_reduce(grad_bytes, f.config.num_devices)  # what ddp timed alone
+        a[row, k : k + 2] = traffic.volume, traffic.hops
+        b[row] = f.comm_s * factor[i]
+        scale[row] = f.comm_s
         link_counts.add(f.config.num_devices)
     keep = list(range(a.shape[1]))
     latency_fitted = True
@@ -355,7 +326,7 @@ def _fit(
     for d in range(b.shape[1]):
         solution[:, d] = nnls(design / norm, b[:, d] * weight[:, 0])[0] / norm
     at = {column: solution[j] for j, column in enumerate(keep)}
-    floor = 1e-3 * float(np.min([f.step_s / f.config.grad_accum_steps for f in found]))
+    floor = 1e-3 * float(np.min([_step_s(f) / f.config.grad_accum_steps for f in found]))
     compute: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     for settings in sorted({s for s, _ in groups}):
         js = [j for j, (s, _) in enumerate(groups) if s == settings]  # sorted by size
@@ -455,7 +426,7 @@ _PRIOR_ALONE = "the link rests on the prior alone (plan.intra_node, plan.inter_n
 
 
 def _why_not_fitted(
-    found: Sequence[Measurement],
+    found: Sequence[Observation],
     counts: tuple[int, ...],
     per_node: int,
     grad_bytes: int,
@@ -469,7 +440,7 @@ def _why_not_fitted(
     if grad_bytes <= 0:
         return _PRIOR_ALONE + "the model has no gradient to all-reduce"
     within = [f for f in found if 1 < f.config.num_devices <= per_node]
-    if within and all(f.sync_s is not None and f.timed is None for f in within):
+    if within and all(f.comm_s is not None and not f.comm_timed for f in within):
         return _PRIOR_ALONE + (
             "the run's collectives were modelled (trial.parallel: simulate), not measured"
         )

@@ -27,7 +27,7 @@ from mbtune.config.schema import PlanConfig
 from mbtune.config.search import IntRange
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
-from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, measurements
+from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, observations
 from mbtune.plan.nccl import read_nccl_tests
 from mbtune.recommend.confidence import MAX_SCORE, TOLERANCE
 from mbtune.runs.record import TrialRecord
@@ -203,10 +203,11 @@ def make_plan(
     if plan is None:
         raise ConfigError("plan", "the experiment has no plan section")
     sharding = experiment.trial.sharding
-    found = measurements(records, experiment.noise_floor, grad_bytes, sharding)
+    found = observations(records)
     (intra, inter), sources = _links(plan)
     model = fit_step_model(
         found,
+        noise_floor=experiment.noise_floor,
         grad_bytes=grad_bytes,
         sharding=sharding,
         per_node=plan.devices_per_node,
