@@ -96,10 +96,15 @@ def test_tpe_search_respects_num_samples_and_objective(ray_session, tmp_path):
     exp = replay_experiment(
         tmp_path, sampler="tpe", num_samples=5, objective="samples_per_s_per_device"
     )
-    outcome = run_search(exp, echo=lambda line: None)
+    lines = []
+    outcome = run_search(exp, echo=lines.append)
     rows = outcome.rows
     assert len(rows) == 5
     assert len({(r["num_devices"], r["micro_batch_size"]) for r in rows}) == 5
+    # a search that ends on its budget says so, in the stream and in summary.json
+    reason = outcome.summary["reason"]
+    assert reason.startswith("the trial budget (search.num_samples 5) ran out at confidence ")
+    assert f"mbtune: stopping: {reason}" in lines
     for r in rows:
         if r["status"] == "ok":
             assert float(r["objective"]) == pytest.approx(

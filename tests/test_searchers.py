@@ -1,5 +1,7 @@
 """The searchers, driven directly (no Ray cluster): valid, never twice, exact sequences."""
 
+import functools
+
 import pytest
 from ray.tune.search import Searcher
 
@@ -414,3 +416,36 @@ def test_a_device_count_never_measured_is_a_rival_until_it_is_measured():
     oom = Observation(BatchConfig(512, 1, 256), "oom")
     every = model.assess([*on_8, *observe(c, 2), *observe(BatchConfig(512, 1, 8)), failed, oom])
     assert every.unmeasured_values == {} and not every.open_points
+
+
+def test_every_way_a_search_ends_is_one_sentence():
+    """search._stopping.end_reason: the target, a tie, an interrupt, and what ran out, with
+    what would make a search that stopped below its target surer."""
+    from mbtune.search._stopping import end_reason
+
+    points = tuple(BatchConfig(32, n, m) for n in (1, 2) for m in (1, 2, 4, 8))
+    model = SearchModel(points, noise_floor=0.035)
+    seen = [Observation(BatchConfig(32, 2, 8), "ok", 630.0, (50.8, 50.7, 50.9)),
+            Observation(BatchConfig(32, 2, 4), "ok", 590.0, (54.2, 54.3, 54.1))]  # fmt: skip
+    a = model.assess(seen)
+    common = {"target": 90, "max_repeats": 5, "noise_floor": 0.035, "budget": 6,
+              "measured": 2, "time_budget_s": None, "elapsed_s": 3.0}  # fmt: skip
+    say = functools.partial(end_reason, a, **common)
+    assert say(status="confident") == "the confidence score reached its target 90"
+    assert say(status="tie").startswith("on a tie: ")
+    assert say(status="interrupted") == (
+        f"interrupted (Ctrl-C or SIGTERM) at confidence {a.confidence}"
+    )
+    budget = say(status="finished", measured=6)
+    assert budget.startswith(f"the trial budget (search.num_samples 6) ran out at confidence "
+                             f"{a.confidence}, below its target 90; raise search.num_samples "
+                             "for a surer answer: it lacked a second look at its "
+                             "recommendation")  # fmt: skip
+    clock = say(status="finished", time_budget_s=2.0)
+    assert clock.startswith("the time budget (search.time_budget_s 2 s) ran out")
+    assert "raise search.time_budget_s" in clock
+    looks = say(status="finished")
+    assert looks.startswith("every configuration was measured as often as the search may "
+                            "(search.max_repeats 5)")  # fmt: skip
+    never = say(status="finished", measured=6, target=100)
+    assert never.endswith("(search.confidence_target 100: it never stops on confidence)")

@@ -42,7 +42,7 @@ from mbtune.search._ledger import (
 )
 from mbtune.search._searcher import make_searcher, pack_result
 from mbtune.search._signals import graceful_stop
-from mbtune.search._stopping import one_look_reason, settled
+from mbtune.search._stopping import end_reason, one_look_reason, settled
 from mbtune.search._study import fail_interrupted, record_attrs
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.trial.screen import Screening, screen
@@ -205,7 +205,9 @@ def _fit(
             finished=sum(not r.predicted for r in run.records()), metrics=_metrics_for(run, exp)
         ),
     ):
+        started = time.monotonic()
         tuner.fit()
+        elapsed_s = time.monotonic() - started
     fail_interrupted(run.optuna_url)  # one in flight when the search was stopped
     records, history = run.records(), run.recommendations()
     target = exp.search.confidence_target
@@ -219,20 +221,23 @@ def _fit(
     )  # fmt: skip
     summary = reporter.summary(records, status, history)
     summary["predicted_oom"] = sum(r.predicted for r in records)
+    s = exp.search
+    summary["reason"] = end_reason(
+        a, status=status, target=target, max_repeats=s.max_repeats, noise_floor=exp.noise_floor,
+        budget=s.num_samples, measured=sum(not r.predicted for r in records),
+        time_budget_s=s.time_budget_s, elapsed_s=elapsed_s,
+    )  # fmt: skip
     if gone:
         summary["reason"] = f"the Ray cluster no longer had what one trial needs: {gone[0]}"
     if summary["recommended"] and summary["recommended"]["measurements"] == 1:
-        s = exp.search
         reason = one_look_reason(max_repeats=s.max_repeats, noise_floor=exp.noise_floor)
         summary["measured_once_because"] = reason or "the search ended before a second look"
     run.write_json(SUMMARY_FILE, summary)
-    if status == "confident":
-        echo(f"mbtune: stopping: the confidence score reached its target {target}")
-    if status == "tie":
-        echo("mbtune: stopping on the tie: another look cannot tell them apart")
     if status == "interrupted":
         echo(f"mbtune: interrupted; every finished trial is in {run.trials_file}; continue "
              f"with: mbtune run --resume {run.path}")  # fmt: skip
+    else:
+        echo(f"mbtune: stopping: {summary['reason']}")
     outcome = SearchOutcome(run, records, summary)
     for line in summary_lines(records, summary, run.path):
         echo(line)

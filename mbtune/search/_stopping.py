@@ -7,12 +7,14 @@ from __future__ import annotations
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment
 from mbtune.recommend.tie import TIE_LOOKS
+from mbtune.report import sizes
 
 __all__ = [
     "MATERIAL",
     "RIVAL_ACROSS",
     "RIVAL_MATERIAL",
     "another_look",
+    "end_reason",
     "one_look_reason",
     "settled",
     "strongest_rival",
@@ -152,3 +154,55 @@ def another_look(
                     "re-measuring the leader" if pick == leader else "re-measuring a close rival",
                 )
     return None
+
+
+def end_reason(
+    a: Assessment,
+    *,
+    status: str,
+    target: int,
+    max_repeats: int,
+    noise_floor: float,
+    budget: int,
+    measured: int,
+    time_budget_s: float | None,
+    elapsed_s: float,
+) -> str:
+    """Why the search ended, in one sentence (the stream's last words and summary.json's
+    ``reason``): the target reached, a tie, an interrupt, or what ran out (the trial
+    budget, the time budget, or the looks the search may take), and below the target what
+    would make it surer."""
+    if status == "confident":
+        return f"the confidence score reached its target {target}"
+    if status == "tie":
+        return "on a tie: another look cannot tell its members apart"
+    score = f"at confidence {a.confidence}" if a.recommended is not None else "with no ok trial"
+    if status == "interrupted":
+        return f"interrupted (Ctrl-C or SIGTERM) {score}"
+    if time_budget_s is not None and elapsed_s >= time_budget_s:
+        ran_out = f"the time budget (search.time_budget_s {time_budget_s:g} s) ran out"
+        more = "raise search.time_budget_s"
+    elif measured >= budget:
+        ran_out = f"the trial budget (search.num_samples {budget}) ran out"
+        more = "raise search.num_samples"
+    else:
+        ran_out = (f"every configuration was measured as often as the search may "
+                   f"(search.max_repeats {max_repeats})")  # fmt: skip
+        more = "raise search.max_repeats or measure on a quieter machine"
+    if a.recommended is None:
+        return f"{ran_out} {score}"
+    if target >= 100:
+        return f"{ran_out} {score} (search.confidence_target 100: it never stops on confidence)"
+    lacked = []
+    if a.looks.get(a.recommended, 0) < 2 and not one_look_reason(
+        max_repeats=max_repeats, noise_floor=noise_floor
+    ):
+        lacked.append("a second look at its recommendation")
+    rival = strongest_rival(a, max_repeats=max_repeats)
+    if rival is not None:
+        look = "another look" if a.looks.get(rival, 0) else "a look"
+        lacked.append(f"{look} at its strongest rival ({sizes(rival)})")
+    needs = f": it lacked {' and '.join(lacked)}" if lacked else ""
+    if a.confidence >= target:
+        return f"{ran_out} {score}, above its target {target}, before it could stop{needs}"
+    return f"{ran_out} {score}, below its target {target}; {more} for a surer answer{needs}"
