@@ -428,6 +428,7 @@ def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
             f"{len(configs)} configurations ({distinct} distinct measurements) from "
             f"'{s.space.source}'",
         ),
+        *(("not searched", line) for line in exp.unused_values(configs)),
         (
             "search",
             f"sampler {s.sampler}, objective {s.objective}, {budget}, {stop}, seed {s.seed}",

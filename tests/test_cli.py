@@ -99,6 +99,23 @@ def test_space_counts_distinct_measurements_in_explore_mode(capsys, tmp_path):
     )
 
 
+def test_validate_and_space_name_a_device_count_that_leaves_nothing(capsys):
+    said = ("num_devices 3: batch_size 32 does not split evenly over 3 devices; valid "
+            "num_devices for batch_size 32: 1, 2, 4, 8, 16, 32")  # fmt: skip
+    three = ("--set", "search.space.num_devices=[1,3]")
+    code, out, _ = run(capsys, "validate", QUICKSTART, *three)
+    assert code == 0 and f"\n  not searched {said}\n" in out
+    code, out, _ = run(capsys, "space", QUICKSTART, *three)
+    assert code == 0 and out.splitlines()[-1] == f"not searched: {said}"
+    code, out, _ = run(capsys, "space", QUICKSTART, *three, "--format", "json")
+    assert code == 0 and json.loads(out)["not_searched"] == [said]
+    code, out, err = run(capsys, "space", QUICKSTART, *three, "--format", "csv")
+    assert code == 0 and "3" not in {line.split(",")[1] for line in out.splitlines()}
+    assert err == f"mbtune: not searched: {said}\n"
+    code, out, _ = run(capsys, "validate", QUICKSTART)  # nothing left out: nothing said
+    assert code == 0 and "not searched" not in out
+
+
 def test_set_overrides_work_on_every_command(capsys):
     code, out, _ = run(
         capsys, "space", QUICKSTART, "--format", "json",

@@ -5,6 +5,8 @@ import pickle
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mbtune.config.experiment import Experiment
 from mbtune.config.load import (
@@ -262,11 +264,13 @@ BAD = [
     # the nearest batch sizes are valid for the micro-batch size too (were 99 and 102)
     ({"train_input": {"batch_size": 100, "num_csx": 3, "micro_batch_size": 4}},
      r"^train_input\.batch_size: batch_size 100 is not divisible by num_devices 3; nearest "
-     r"valid batch_size for micro_batch_size 4: 96 \(below\) or 108 \(above\) \(or set "
+     r"valid batch_size for micro_batch_size 4: 96 \(below\) or 108 \(above\); valid "
+     r"num_devices for batch_size 100 and micro_batch_size 4: 1, 5, 25 \(or set "
      r"allow_uneven: true\)$"),
     ({"train_input": {"batch_size": 65, "num_devices": 2}}, r"^train_input\.batch_size: "
      r"batch_size 65 is not divisible by num_devices 2; nearest valid batch_size: 64 \(below\)"
-     r" or 66 \(above\)$"),  # auto tries divisors of P only: allow_uneven is no way out
+     r" or 66 \(above\); valid num_devices for batch_size 65: 1, 5, 13, 65$"),  # auto tries
+    # divisors of P only: allow_uneven is no way out
     ({"train_input": {"batch_size": 64, "num_csx": 2, "num_devices": 2}},
      r"^train_input\.num_csx: give num_devices or its Cerebras alias num_csx, not both"),
     ({"train_input": {"batch_size": 64, "micro_batch_size": "automatic"}},
@@ -650,8 +654,16 @@ def test_a_run_directory_s_experiment_reads_typed_without_its_files(with_files, 
         ((None, None, 4), BatchConfig(32, 1, 4)),
         ((0, None, None), r"^--batch-size: 0 is out of range; expected a whole number from 1"),
         ((None, 0, None), r"^--num-devices: 0 is out of range"),
-        ((None, 64, None), r"^train_input\.batch_size: batch_size 32 is smaller than "
+        # the flag that broke the batch's rule is named, and the device counts it splits over
+        ((None, 64, None), r"^--num-devices: batch_size 32 is smaller than "
                            r"num_devices 64: .*; valid num_devices for batch_size 32: 1, 2, 4"),
+        ((None, 3, None), r"^--num-devices: batch_size 32 is not divisible by num_devices 3; "
+                          r"nearest valid batch_size: 30 \(below\) or 33 \(above\); valid "
+                          r"num_devices for batch_size 32: 1, 2, 4, 8, 16, 32 \(or set "
+                          r"allow_uneven: true\)$"),
+        ((None, 5, 2), r"^--num-devices: batch_size 32 is not divisible by num_devices 5; .*; "
+                       r"valid num_devices for batch_size 32 and micro_batch_size 2: 1, 2, 4, 8, "
+                       r"16 "),
         ((None, None, 3), r"^--micro-batch-size: micro_batch_size 3 does not divide the "
                           r"per-device batch 32 .*valid micro_batch_size for batch_size 32: 1, "
                           r"2, 4, 8, 16, 32 \(or set allow_uneven: true\)$"),
@@ -676,3 +688,100 @@ def test_trial_flags_may_split_unevenly_where_the_experiment_explores():
     exp = make(train_input={"batch_size": 30, "micro_batch_size": "explore"})
     assert trial_config(exp, None, 4, 3) == BatchConfig(30, 4, 3)
     assert trial_config(exp, None, 4, None) == BatchConfig(30, 4, 8)
+
+
+# -- the values of a space that leave nothing: named, with why -------------------
+
+
+@pytest.mark.parametrize(
+    ("train_input", "space", "lines"),
+    [
+        # the issue's case: 3 devices cannot split the quickstart's batch of 32
+        ({"batch_size": 32}, {"num_devices": [1, 3]},
+         ["num_devices 3: batch_size 32 does not split evenly over 3 devices; valid num_devices "
+          "for batch_size 32: 1, 2, 4, 8, 16, 32"]),
+        # a range: the values grouped by why, runs named by their ends
+        ({"batch_size": 32}, {"num_devices": {"min": 1, "max": 40}},
+         ["num_devices 3, 5..7, 9..15, 17..31: batch_size 32 does not split evenly over any of "
+          "them; valid num_devices for batch_size 32: 1, 2, 4, 8, 16, 32",
+          "num_devices 33..40: more devices than batch_size 32 has samples; valid num_devices "
+          "for batch_size 32: 1, 2, 4, 8, 16, 32"]),
+        # an explicit micro-batch size: the devices that run it; uneven would run 3 devices
+        ({"batch_size": 32, "micro_batch_size": 8}, {"num_devices": [1, 3, 8]},
+         ["num_devices 3: batch_size 32 does not split evenly over 3 devices; valid num_devices "
+          "for batch_size 32 and micro_batch_size 8: 1, 2, 4 (or set allow_uneven: true)",
+          "num_devices 8: micro_batch_size 8 exceeds the per-device batch 4; valid num_devices "
+          "for batch_size 32 and micro_batch_size 8: 1, 2, 4"]),
+        ({"batch_size": 32}, {"num_devices": [1, 2], "micro_batch_size": [3, 8, 64]},
+         ["micro_batch_size 3: not a divisor of any per-device batch (16, 32)",
+          "micro_batch_size 64: larger than every per-device batch (16, 32)"]),
+        ({"batch_size": 32, "micro_batch_size": "explore"}, {"micro_batch_size": [5, 33]},
+         ["micro_batch_size 33: larger than every per-device batch (32)"]),
+        ({"batch_size": 32, "micro_batch_size": "none"}, {"num_devices": [1, 2],
+                                                          "micro_batch_size": [16, 8]},
+         ["micro_batch_size 8: not a per-device batch (16, 32): micro_batch_size none runs "
+          "each device's batch as one micro-batch"]),
+        ({"batch_size": 32, "micro_batch_size": 4}, {"micro_batch_size": [4, 8]},
+         ["micro_batch_size 8: train_input.micro_batch_size 4 is explicit: the space cannot "
+          "vary it"]),
+        ({"batch_size": 32}, {"batch_size": {"min": 8, "max": 32}, "num_devices": [1, 64],
+                              "micro_batch_size": [4, 64]},
+         ["num_devices 64: no batch_size in 8..32 is num_devices x micro_batch_size x "
+          "micro-batches",
+          "micro_batch_size 64: no batch_size in 8..32 is num_devices x micro_batch_size x "
+          "micro-batches"]),
+        # a range of micro-batch sizes bounds what the mode picks: not each value named
+        ({"batch_size": 32}, {"micro_batch_size": {"min": 1, "max": 64}}, []),
+    ],
+)  # fmt: skip
+def test_a_value_of_the_space_that_leaves_nothing_is_named_with_why(train_input, space, lines):
+    exp = make(train_input=train_input, search={"space": space})
+    assert exp.unused_values() == lines
+
+
+def test_an_empty_space_says_why_each_value_leaves_nothing():
+    with pytest.raises(ConfigError, match=r"^search\.space: no valid configuration: .*; "
+                       r"num_devices 3, 5: batch_size 32 does not split evenly over any of them; "
+                       r"valid num_devices for batch_size 32: 1, 2, 4, 8, 16, 32$"):  # fmt: skip
+        make(search={"space": {"num_devices": [3, 5]}})
+
+
+def values_named(lines: list[str], key: str) -> set[int]:
+    """The values ``unused_values`` names for ``key``: '3, 5..7' as {3, 5, 6, 7}."""
+    named: set[int] = set()
+    for line in lines:
+        if line.startswith(f"{key} "):
+            for part in line[len(key) + 1:].split(": ")[0].split(", "):
+                lo, _, hi = part.partition("..")
+                named.update(range(int(lo), int(hi or lo) + 1))
+    return named
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.one_of(st.integers(1, 64), st.tuples(st.integers(1, 40), st.integers(0, 40))),
+    mode=st.one_of(st.integers(1, 8), st.sampled_from(["auto", "explore", "none"])),
+    ns=st.one_of(st.none(), st.lists(st.integers(1, 12), min_size=1, max_size=5)),
+    ms=st.one_of(st.none(), st.lists(st.integers(1, 40), min_size=1, max_size=5)),
+    allow_uneven=st.booleans(),
+)
+def test_every_value_that_leaves_nothing_is_named_and_no_other(batch, mode, ns, ms, allow_uneven):
+    space: dict = {"num_devices": ns} if ns else {}
+    space |= {"micro_batch_size": ms} if ms else {}
+    if isinstance(batch, tuple):
+        space["batch_size"] = {"min": batch[0], "max": batch[0] + batch[1]}
+    train_input = {"batch_size": batch if isinstance(batch, int) else 64,
+                   "micro_batch_size": mode, "allow_uneven": allow_uneven}  # fmt: skip
+    try:
+        exp = make(train_input=train_input, search={"space": space})
+    except ConfigError as e:
+        if "no valid configuration" not in e.rule:
+            return  # refused for another reason (the user's own sizes, a range without m)
+        lines, configs = e.rule.split("; ")[1:], []  # the reasons follow the summary
+        lines = [line for line in lines if line.startswith(("num_devices", "micro_batch_size"))]
+    else:
+        configs = exp.configs()
+        lines = exp.unused_values(configs)
+    for key, listed in (("num_devices", ns), ("micro_batch_size", ms)):
+        present = {getattr(c, key) for c in configs}
+        assert values_named(lines, key) == set(listed or ()) - present, lines

@@ -96,7 +96,8 @@ def test_the_strict_rules_name_rule_numbers_and_valid_values():
         check_micro_batch_size(64, 2, 5)
     with pytest.raises(LatticeError, match=r"^batch_size 65 is not divisible by num_devices 2; "
                        r"nearest valid batch_size for micro_batch_size 1: 64 \(below\) or 66 "
-                       r"\(above\)$"):  # fmt: skip
+                       r"\(above\); valid num_devices for batch_size 65 and micro_batch_size 1: "
+                       r"1, 5, 13, 65$"):  # fmt: skip
         check_batch_size(65, 2, 1)
     with pytest.raises(LatticeError, match=r"^batch_size 2 is smaller than num_devices 4: every "
                        r"device needs at least one sample; nearest valid batch_size for "
@@ -112,14 +113,21 @@ def test_the_strict_rules_name_rule_numbers_and_valid_values():
     [
         # the nearest batch sizes are multiples of n x m, whichever rule broke
         ((100, 3, 4), "batch_size 100 is not divisible by num_devices 3; nearest valid batch_size "
-         "for micro_batch_size 4: 96 (below) or 108 (above) (or set allow_uneven: true)"),
+         "for micro_batch_size 4: 96 (below) or 108 (above); valid num_devices for batch_size "
+         "100 and micro_batch_size 4: 1, 5, 25 (or set allow_uneven: true)"),
+        # 87 is no multiple of 4: no device count runs micro_batch_size 4, none is named
         ((87, 8, 4), "batch_size 87 is not divisible by num_devices 8; nearest valid batch_size "
          "for micro_batch_size 4: 64 (below) or 96 (above) (or set allow_uneven: true)"),
         # P = 3 < m = 7: allow_uneven would not help, so it is not offered
         ((22, 8, 7), "batch_size 22 is not divisible by num_devices 8; nearest valid batch_size "
          "for micro_batch_size 7: 56 (above)"),
+        # the device counts that run this batch are named too (mbtune trial --num-devices 3)
+        ((32, 3, None), "batch_size 32 is not divisible by num_devices 3; nearest valid "
+         "batch_size: 30 (below) or 33 (above); valid num_devices for batch_size 32: 1, 2, 4, "
+         "8, 16, 32 (or set allow_uneven: true)"),
         ((65, 2, None), "batch_size 65 is not divisible by num_devices 2; nearest valid "
-         "batch_size: 64 (below) or 66 (above) (or set allow_uneven: true)"),
+         "batch_size: 64 (below) or 66 (above); valid num_devices for batch_size 65: 1, 5, 13, "
+         "65 (or set allow_uneven: true)"),
         ((2, 4, 3), "batch_size 2 is smaller than num_devices 4: every device needs at least one "
          "sample; nearest valid batch_size for micro_batch_size 3: 12 (above)"),
         ((6, 8, None), "batch_size 6 is smaller than num_devices 8: every device needs at least "

@@ -132,16 +132,22 @@ def _space(args: argparse.Namespace) -> int:
     distinct = len(
         {(r["batch_size"], r["num_devices"], r["runs_as"], *map(r.get, SETTINGS)) for r in rows}
     )
+    unused = exp.unused_values()  # the space's values that leave nothing, and why
     if args.format == "json":
-        print(json.dumps({"count": len(rows), "distinct": distinct, "configurations": rows}))
+        print(json.dumps({"count": len(rows), "distinct": distinct, "configurations": rows,
+                          "not_searched": unused}))  # fmt: skip
     elif args.format == "csv":
         print(pd.DataFrame(rows).to_csv(index=False), end="")
+        for line in unused:
+            print(f"mbtune: not searched: {line}", file=sys.stderr)
     else:
         print(pd.DataFrame(rows).to_string(index=False))
         print(
             f"{len(rows)} configurations, {distinct} distinct measurements "
             f"(mode {exp.train_input.micro_batch_size}, space '{exp.search.space.source}')"
         )
+        for line in unused:
+            print(f"not searched: {line}")
     return 0
 
 
@@ -298,10 +304,14 @@ def trial_config(
     try:
         own = dataclasses.replace(t, allow_uneven=t.allow_uneven or t.mode == "explore", **given)
     except ConfigError as e:
-        flag, value = flags.get(e.where.removeprefix("train_input."), ("", None))
-        if value is None:
+        # the experiment's own sizes are valid: a flag given broke the rule, the field's
+        # own, else the device count or the batch that meets it (--num-devices 3)
+        where = e.where.removeprefix("train_input.")
+        blamed = [flags[k][0] for k in (where, "num_devices", "batch_size")
+                  if where in flags and flags[k][1] is not None]  # fmt: skip
+        if not blamed:
             raise
-        raise ConfigError(flag, e.rule) from None
+        raise ConfigError(blamed[0], e.rule) from None
     assert own.config is not None  # an int m or none: the mode fixes m
     return own.config.with_settings(exp.trial.settings)
 

@@ -20,7 +20,7 @@ from mbtune import lattice
 from mbtune.config.rules import ConfigError, check_fields
 from mbtune.config.schema import ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import IntRange, SearchConfig, SpaceConfig
-from mbtune.config.train_input import TrainInput, lattice_rule
+from mbtune.config.train_input import TrainInput, lattice_rule, unused_values
 from mbtune.config.trial import TrialConfig, unsharded_rule
 from mbtune.lattice import MAX_CONFIGS, SETTINGS, BatchConfig
 
@@ -72,7 +72,10 @@ class Experiment:
                 raise ConfigError(f"search.space.{key}", unsharded_rule(key, self.trial.sharding))
         configs = self.configs()
         if not configs:
-            raise ConfigError("search.space", f"no valid configuration: {self._space_summary()}")
+            why = "".join(f"; {line}" for line in self.unused_values(configs))
+            raise ConfigError(
+                "search.space", f"no valid configuration: {self._space_summary()}{why}"
+            )
         space = set(configs)
         for i, point in enumerate(self.search.start_points):
             if point not in space:
@@ -161,6 +164,27 @@ class Experiment:
     def configs(self) -> list[BatchConfig]:
         """Every configuration the search may try (see lattice.enumerate_configs)."""
         return _enumerate(self.train_input, self.search.space, self.trial.settings)
+
+    def unused_values(self, configs: list[BatchConfig] | None = None) -> list[str]:
+        """Each value the space lists that leaves no valid configuration, and why, one line
+        per reason (config.train_input.unused_values): what `mbtune validate` and `mbtune
+        space` say, and an empty space's error. ``configs``: :meth:`configs`, where the
+        caller has them."""
+        t, s = self.train_input, self.search.space
+        batch: int | tuple[int, int] = t.batch_size if s.batch_size is None else (
+            (s.batch_size.min, s.batch_size.max)
+            if isinstance(s.batch_size, IntRange)
+            else s.batch_size
+        )  # fmt: skip
+        return unused_values(
+            t,
+            self.configs() if configs is None else configs,
+            batch=batch,
+            num_devices=_values(s.num_devices) if s.num_devices is not None else None,
+            micro_batch_sizes=(
+                s.micro_batch_size if isinstance(s.micro_batch_size, tuple) else None
+            ),
+        )
 
     def _space_summary(self) -> str:
         t, s = self.train_input, self.search.space

@@ -7,7 +7,7 @@ the field that broke it (:func:`lattice_rule`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +29,7 @@ __all__ = [
     "check_micro_batch_size",
     "lattice_rule",
     "nearest_batch_sizes_text",
+    "unused_values",
 ]
 
 MicroBatchMode = Literal["auto", "explore", "none"]
@@ -159,9 +160,12 @@ def check_batch_size(
         )
     if b % n and not allow_uneven:
         uneven_runs = offer_uneven and (m is None or m <= per_device_batch(b, n))
+        devices = _valid_devices_text(b, m, False)
         raise LatticeError(
             f"batch_size {b} is not divisible by num_devices {n}; "
-            f"{nearest_batch_sizes_text(b, n, m)}" + _UNEVEN_HINT * uneven_runs
+            f"{nearest_batch_sizes_text(b, n, m)}"
+            + (f"; {devices}" if devices else "")
+            + _UNEVEN_HINT * uneven_runs
         )
 
 
@@ -216,3 +220,118 @@ def _span(most: int) -> str:
 
 def _below_above(below: int | None, above: int) -> str:
     return f"{above} (above)" if below is None else f"{below} (below) or {above} (above)"
+
+
+# ---------------------------------------------------------------------------
+# the values of a space that leave nothing, in words
+
+
+def unused_values(
+    t: TrainInput,
+    configs: Iterable[BatchConfig],
+    *,
+    batch: int | tuple[int, int],
+    num_devices: Sequence[int] | None,
+    micro_batch_sizes: Sequence[int] | None,
+) -> list[str]:
+    """Each value a searched dimension lists that leaves no valid configuration (none of
+    ``configs``, the space's, has it) and why, one line per reason: 'num_devices 3:
+    batch_size 32 does not split evenly over 3 devices; valid num_devices for batch_size
+    32: 1, 2, 4, 8, 16, 32'. ``batch``: the space's one batch size, or its (min, max)
+    range; ``num_devices``: the device counts it lists (None: train_input's alone);
+    ``micro_batch_sizes``: the sizes it lists by name (None: none, or a range, which bounds
+    the sizes the mode chooses rather than naming each). A batch_size is never one: the
+    space holds one (the space is empty without it) or a range that B = n x m x g picks
+    from; nor a setting of a step: every combination runs every size."""
+    present = {(c.num_devices, c.micro_batch_size) for c in configs}
+    lines = []
+    for i, (key, listed, reason) in enumerate((
+        ("num_devices", num_devices, _device_reason(t, batch)),
+        ("micro_batch_size", micro_batch_sizes, _micro_reason(t, batch, num_devices)),
+    )):  # fmt: skip
+        groups: dict[str, list[int]] = {}
+        for value in sorted(set(listed or ()) - {sizes[i] for sizes in present}):
+            groups.setdefault(reason(value), []).append(value)
+        for why, values in groups.items():
+            them = f"{values[0]} devices" if len(values) == 1 else "any of them"
+            lines.append(f"{key} {_values_text(values)}: {why.replace('{them}', them)}")
+    return lines
+
+
+def _device_reason(t: TrainInput, batch: int | tuple[int, int]) -> Callable[[int], str]:
+    """Why a device count leaves no configuration of the space ('{them}': the counts)."""
+    mode = t.micro_batch_size
+    if isinstance(batch, tuple):
+        return lambda n: _range_reason(batch, mode)
+    b, fixed = batch, mode if isinstance(mode, int) else None
+    uneven = (t.allow_uneven or mode == "explore") and mode != "auto"  # auto: divisors of P
+    devices = _valid_devices_text(b, fixed, uneven)
+
+    def reason(n: int) -> str:
+        p = per_device_batch(b, n)
+        if b < n:
+            return f"more devices than batch_size {b} has samples; {devices}"
+        if b % n and not uneven:
+            runs = mode != "auto" and t.pipeline_stages == 1 and (fixed is None or fixed <= p)
+            return f"batch_size {b} does not split evenly over {{them}}; {devices}" + (
+                _UNEVEN_HINT * runs
+            )
+        if fixed is not None:
+            verb = "exceeds" if fixed > p else "does not divide"
+            return f"micro_batch_size {fixed} {verb} the per-device batch {p}; {devices}"
+        if mode == "explore":
+            return f"every micro_batch_size of the space exceeds the per-device batch {p}"
+        return f"no micro_batch_size of the space divides the per-device batch {p}"
+
+    return reason
+
+
+def _micro_reason(
+    t: TrainInput, batch: int | tuple[int, int], num_devices: Sequence[int] | None
+) -> Callable[[int], str]:
+    """Why a micro-batch size the space names leaves no configuration of it."""
+    mode = t.micro_batch_size
+    if isinstance(mode, int):
+        return lambda m: (
+            f"train_input.micro_batch_size {mode} is explicit: the space cannot vary it"
+        )
+    if isinstance(batch, tuple):
+        return lambda m: _range_reason(batch, mode)
+    b = batch
+    uneven = mode == "explore" or (t.allow_uneven and mode == "none")
+    ns = num_devices or [t.num_devices]
+    ps = sorted({per_device_batch(b, n) for n in ns if b >= n and (uneven or b % n == 0)})
+    batches = _values_text(ps) if len(ps) <= 6 else f"from {ps[0]} to {ps[-1]}"
+
+    def reason(m: int) -> str:
+        if not ps:
+            return f"no num_devices of the space splits batch_size {b}"
+        if mode == "none":
+            return (
+                f"not a per-device batch ({batches}): micro_batch_size none runs each "
+                "device's batch as one micro-batch"
+            )
+        if m > ps[-1]:
+            return f"larger than every per-device batch ({batches})"
+        return f"not a divisor of any per-device batch ({batches})"  # auto
+
+    return reason
+
+
+def _range_reason(batch: tuple[int, int], mode: int | str) -> str:
+    """Why a value leaves nothing where the space's batch_size is a range: B = n x m x g."""
+    lo, hi = batch
+    if mode == "none":
+        return f"no batch_size in {lo}..{hi} is num_devices x micro_batch_size (mode none: g = 1)"
+    return f"no batch_size in {lo}..{hi} is num_devices x micro_batch_size x micro-batches"
+
+
+def _values_text(values: Sequence[int]) -> str:
+    """'3, 5..7, 9': the values in order, three or more in a row as their ends."""
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) >= 3 else ", ".join(map(str, r)) for r in runs)
