@@ -1,11 +1,14 @@
 """Exports: every snippet, read back as its framework reads it, obeys that framework's rule."""
 
 import ast
+import builtins
 import dataclasses
 import functools
+import itertools
 import json
 import re
 import shlex
+import types
 import warnings
 
 import pytest
@@ -407,23 +410,22 @@ def test_hf_keys_build_training_arguments(tmp_path, precision, config):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-def test_lightning_arguments_build_a_trainer(precision):
+def test_lightning_arguments_build_a_trainer(precision, monkeypatch):
     lightning = pytest.importorskip("lightning")
     export = export_config(
         "lightning", BatchConfig(30, 2, 4), precision=precision, header="from a test"
     )
-    dataset = torch.utils.data.TensorDataset(torch.zeros(64, 1))
     quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False,
                  enable_checkpointing=False)  # fmt: skip
-    names = {
-        "Trainer": functools.partial(lightning.Trainer, **quiet),
-        "DataLoader": torch.utils.data.DataLoader,
-        "train_dataset": dataset,
-        "torch": torch,
-    }
+    # the snippet's own import gives it this Trainer; its fit is recorded, not run
+    monkeypatch.setattr(lightning.pytorch, "Trainer", functools.partial(lightning.Trainer, **quiet))
+    fitted = []
+    monkeypatch.setattr(lightning.Trainer, "fit", lambda self, *args: fitted.append(args))
+    model = lightning.LightningModule()
+    names = {"train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)), "model": model}
     before = torch.get_float32_matmul_precision()
     try:
-        exec(export.text, names)  # the snippet as a user pastes it
+        exec(export.text, names)  # the snippet as a user pastes it: the user's names alone
         assert torch.get_float32_matmul_precision() == ("high" if precision == "tf32" else before)
     finally:
         torch.set_float32_matmul_precision(before)
@@ -432,6 +434,65 @@ def test_lightning_arguments_build_a_trainer(precision):
     assert trainer.num_devices == 2 and m * g * 2 == export.config.batch_size == 32
     assert (
         trainer.precision == {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed"}[precision]
+    )
+    assert fitted == [(model, loader)]
+
+
+def undefined_names(code: str) -> set[str]:
+    """The names ``code`` reads that it neither imports nor assigns, nor Python has."""
+    nodes = list(ast.walk(ast.parse(code)))
+    names = [node for node in nodes if isinstance(node, ast.Name)]
+    imports = [node for node in nodes if isinstance(node, ast.Import | ast.ImportFrom)]
+    bound = {a.asname or a.name.split(".")[0] for node in imports for a in node.names}
+    bound |= {node.id for node in names if isinstance(node.ctx, ast.Store)}
+    read = {node.id for node in names if isinstance(node.ctx, ast.Load)}
+    return read - bound - set(dir(builtins))
+
+
+def python_of(framework: str, text: str) -> str:
+    """The Python a user pastes from a snippet: Lightning's whole; Accelerate's the lines of
+    its comment under 'in the training script:'."""
+    if framework == "lightning":
+        return text
+    lines = text.splitlines()
+    start = lines.index("# in the training script:") + 1
+    return "\n".join(line[2:] for line in itertools.takewhile(
+        lambda line: line.startswith("# "), lines[start:]))  # fmt: skip
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "lightning"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("grad_sync", ["last", "every"])
+def test_a_python_snippet_imports_all_it_needs(framework, precision, sharding, grad_sync):
+    """Pasted, the Python of an export runs with the user's own objects alone (its dataset,
+    its model): every other name it reads it imports, and its imports import."""
+    pytest.importorskip(framework)
+    config = BatchConfig(30, 2, 4, grad_sync=grad_sync)
+    export = export_config(framework, config, precision=precision, sharding=sharding,
+                           header="from a test")  # fmt: skip
+    code = python_of(framework, export.text)
+    assert undefined_names(code) == {"train_dataset", "model"} & undefined_names(code)
+    assert "train_dataset" in undefined_names(code)
+    statements = ast.parse(code).body
+    imports = [node for node in statements if isinstance(node, ast.Import | ast.ImportFrom)]
+    assert imports
+    exec(compile(ast.Module(body=imports, type_ignores=[]), export.filename, "exec"), {})
+
+
+def test_the_hf_and_deepspeed_notes_say_how_the_file_is_read(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    export = export_config("hf", BatchConfig(64, 2, 4))
+    (tmp_path / export.filename).write_text(export.text)
+    (call,) = [n.split(": ", 1)[1] for n in export.notes if "TrainingArguments(" in n]
+    args = eval(call, {"TrainingArguments": transformers.TrainingArguments, "json": json})
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8)
+    notes = export_config("deepspeed", BatchConfig(64, 2, 4)).notes
+    assert any(
+        "deepspeed --num_gpus 2 train.py" in n and 'config="export-deepspeed.json"' in n
+        for n in notes
     )
 
 
@@ -585,8 +646,8 @@ def test_accelerate_config_launches_with_its_fsdp2_plugin(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_lightning_fsdp_strategy_is_built(reshard):
-    pytest.importorskip("lightning")
+def test_lightning_fsdp_strategy_is_built(reshard, monkeypatch):
+    lightning = pytest.importorskip("lightning")
     from lightning.pytorch.strategies import FSDPStrategy
 
     export = export_config(
@@ -594,12 +655,13 @@ def test_lightning_fsdp_strategy_is_built(reshard):
         reshard_after_forward=reshard,
     )  # fmt: skip
     seen = {}
-    names = {
-        # Lightning's FSDP needs CUDA; the Trainer is checked for what it is handed
-        "Trainer": lambda **kwargs: seen.update(kwargs),
-        "DataLoader": torch.utils.data.DataLoader,
-        "train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)),
-    }
+
+    def trainer(**kwargs):  # Lightning's FSDP needs CUDA: checked for what it is handed
+        seen.update(kwargs)
+        return types.SimpleNamespace(fit=lambda *args: None)
+
+    monkeypatch.setattr(lightning.pytorch, "Trainer", trainer)  # what the snippet imports
+    names = {"train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)), "model": None}
     exec(export.text, names)  # the snippet as a user pastes it
     strategy = seen["strategy"]
     assert isinstance(strategy, FSDPStrategy)

@@ -191,7 +191,11 @@ def export_config(
             **amp,
             **zero,
         )
-        notes.append(f"{launch} (DeepSpeed's world size {n})")
+        notes.append(
+            f"{launch} (DeepSpeed's world size {n}: deepspeed --num_gpus {n} train.py); in the "
+            'script deepspeed.initialize(model=model, optimizer=optimizer, config="'
+            f'{_filename(framework)}") reads it'
+        )
     elif framework == "hf":
         extra: dict[str, object] = {"tf32": True} if tf32 else {}
         if fsdp:  # FSDP2; checkpointing FSDP's own (transformers' advice: no extra all-gather)
@@ -224,20 +228,28 @@ def export_config(
             fp16=fp16,
             **extra,
         )
-        notes.append(f"{launch}; pass the keys to transformers.TrainingArguments")
+        notes.append(
+            f"{launch}; the keys are transformers.TrainingArguments': "
+            f'TrainingArguments(output_dir="out", **json.load(open("{_filename(framework)}")))'
+        )
     elif framework == "lightning":
         mode = "bf16-mixed" if bf16 else "16-mixed" if fp16 else "32-true"
         tf32_line = f"{_TF32_CALL}  # TF32 matmuls, as measured\n" if tf32 else ""
         strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
-        shard = (
-            f"from lightning.pytorch.strategies import FSDPStrategy\n\n"
-            f'strategy = FSDPStrategy(sharding_strategy="{strategy}")\n'
+        imports = (  # a script as pasted: its imports, then yours (the data, the model)
+            "import torch\n" * tf32
+            + "from lightning.pytorch import Trainer\n"
+            + "from lightning.pytorch.strategies import FSDPStrategy\n" * fsdp
+            + "from torch.utils.data import DataLoader\n\n"
         )
+        shard = f'strategy = FSDPStrategy(sharding_strategy="{strategy}")\n'
         text = (
-            f"{comment}{tf32_line}{shard * fsdp}"
+            f"{comment}{imports}{tf32_line}{shard * fsdp}"
             f"trainer = Trainer(devices={n}, accumulate_grad_batches={g}, "
             f'precision="{mode}"{", strategy=strategy" * fsdp})\n'
+            "# train_dataset and model: yours (a torch Dataset, a LightningModule)\n"
             f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
+            "trainer.fit(model, train_loader)\n"
         )
         if fsdp:
             notes.append(
@@ -313,8 +325,11 @@ def _accelerate(
         if sync_every
         else f"gradient_accumulation_steps={g}"
     )
+    plugin = "# from accelerate.utils import GradientAccumulationPlugin\n" * sync_every
     text = (
         f"{comment}# in the training script:\n"
+        f"# from accelerate import Accelerator\n{plugin}"
+        "# from torch.utils.data import DataLoader\n"
         f"# accelerator = Accelerator({accumulation})\n"
         f"# train_loader = DataLoader(train_dataset, batch_size={m})\n"
         f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\n"
@@ -322,8 +337,10 @@ def _accelerate(
         f"use_cpu: false\ndebug: false\n"
     )
     notes = [
-        f"accelerate launch --config_file export-accelerate.yaml train.py; in the script "
-        f"Accelerator({accumulation}) and DataLoader(batch_size={m})"
+        f"accelerate launch --config_file {_filename('accelerate')} train.py; in the script "
+        f"Accelerator({accumulation}) and DataLoader(batch_size={m}), the model, optimizer and "
+        "loader passed through accelerator.prepare, and each step inside "
+        "`with accelerator.accumulate(model):`"
     ]
     if fsdp:
         text += (
