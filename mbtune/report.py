@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mbtune.trial.trial import TrialResult
 
 __all__ = [
+    "base_line",
     "devices_split",
     "experiment_lines",
     "export_header",
@@ -267,6 +268,17 @@ def stream_line(
         f"(num_devices: {c.num_devices}, batch_size: {c.batch_size}{step}), estimated "
         f"performance: {estimated_performance:.2f}x base{shown_mfu}, confidence score: "
         f"{confidence} (out of 100)"
+    )
+
+
+def base_line(yours: bool | None) -> str:
+    """The stream's line under a run's first recommendation: base is its throughput.
+    ``yours``: whether it is the user's own configuration (None: the experiment fixes none)."""
+    own = ", your own configuration's" if yours else ""
+    theirs = ", not to your configuration (the summary compares with yours where measured)"
+    return (
+        f"mbtune: base is this first recommendation's throughput{own}: each estimated "
+        f"performance that follows is relative to it{theirs * (yours is False)}"
     )
 
 

@@ -58,22 +58,45 @@ def test_a_row_read_back_gives_the_same_observation_as_the_result():
     assert back.step_times_ms == pytest.approx(record.step_times_ms, rel=1e-3)
 
 
+BASE = ("mbtune: base is this first recommendation's throughput: each estimated performance "
+        "that follows is relative to it")  # fmt: skip
+
+
 def test_the_stream_starts_at_base_and_reports_the_speedup():
     reporter = Reporter(POINTS)
     rows = [row(1, 4, 400.0)]
     first = reporter.update(rows, [])
     assert first.config == BatchConfig(32, 1, 4) and first.estimated_performance == 1.0
-    assert LINE.match(first.line())
+    line, base = first.line().split("\n")  # the first says what base is, once
+    assert LINE.match(line) and base == BASE
     history = [first.record()]
     rows.append(row(2, 8, 500.0))
     second = reporter.update(rows, history)
-    assert second.config == BatchConfig(32, 2, 8)
+    assert second.config == BatchConfig(32, 2, 8) and LINE.match(second.line())
     assert second.estimated_performance == 1.25 and second.trials == 2
     record = second.record()
     assert {k: record[k] for k in ("micro_batch_size", "num_devices", "batch_size")} == {
         "micro_batch_size": 8, "num_devices": 2, "batch_size": 32}  # fmt: skip
     assert 0 <= record["confidence"] <= 99 and record["time"]
     json.dumps(record)
+
+
+@pytest.mark.parametrize(
+    ("user", "says"),
+    [
+        # base is not the user's configuration, which a user reads "1.00x base" as
+        (BatchConfig(32, 1, 32), ", not to your configuration (the summary compares with "
+                                 "yours where measured)"),
+        (BatchConfig(32, 1, 4), None),
+    ],
+)  # fmt: skip
+def test_the_first_recommendation_says_whether_base_is_your_configuration(user, says):
+    first = Reporter(POINTS, user_config=user).update([row(1, 4, 400.0)], [])
+    base = first.line().split("\n")[1]
+    if says is None:  # the first recommendation is yours
+        assert base == BASE.replace("throughput:", "throughput, your own configuration's:")
+    else:
+        assert base == BASE + says
 
 
 def test_no_recommendation_until_a_trial_succeeds():
@@ -139,7 +162,9 @@ def test_the_tune_callback_records_streams_and_stops(tmp_path):
     # one recommendation after every finished trial from the first that ran
     first_ok = next(k for k, r in enumerate(rows) if r["status"] == "ok")
     assert len(records) == len(rows) - first_ok
-    assert sum(bool(LINE.match(line)) for line in lines) == len(records)
+    said = [part for line in lines for part in line.split("\n")]
+    assert sum(bool(LINE.match(line)) for line in said) == len(records)
+    assert said.count(BASE) == 1  # under the first recommendation only
     assert records[-1]["confidence"] >= 90 and stop.stop_all()
     assert (records[-1]["num_devices"], records[-1]["micro_batch_size"]) == (2, 8)
     # a trial stopped before it reported (the search was already confident) is not a result
@@ -162,8 +187,8 @@ def test_a_tie_is_in_the_stream_the_summary_and_its_table_starts_with_the_recomm
     rec = reporter.update(rows)
     assert rec is not None and rec.tie is not None
     assert rec.record()["tie"] == rec.tie and rec.confidence < 90
-    first, tie = rec.line().split("\n")
-    assert LINE.match(first) and tie.startswith("mbtune: a tie within ")
+    first, base, tie = rec.line().split("\n")  # the run's first: base said, then the tie
+    assert LINE.match(first) and base == BASE and tie.startswith("mbtune: a tie within ")
     summary = reporter.summary(rows, "tie", [rec.record()])
     assert summary["tie"] == rec.tie
     top = summary["top"][0]

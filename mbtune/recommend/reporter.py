@@ -8,8 +8,9 @@ returns and appends its record to ``recommendations.jsonl``; at the end
     mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64),
     estimated performance: 1.23x base, confidence score: 90 (out of 100)
 
-Base is the objective of the run's first recommendation (as Cerebras does); the
-estimate is the recommended configuration's measured objective over base.
+Base is the objective of the run's first recommendation (as Cerebras does), which the
+stream says in a line under it (not the user's own configuration, which the summary
+compares with); the estimate is the recommended configuration's objective over base.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mbtune import lattice
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, SearchModel
 from mbtune.recommend.observation import observation
-from mbtune.report import stream_line, tie_line
+from mbtune.report import base_line, stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 
 __all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config", "ranking"]
@@ -57,6 +58,10 @@ class StreamRecommendation:
     ranking: tuple[dict[str, Any], ...] = ()
     """Every configuration measured ok, best first as the recommendation ranks them
     (:func:`ranking`): what ``mbtune watch`` and ``mbtune analyze`` rank by."""
+    opens: bool = False
+    """The run's first recommendation: base, which its line says."""
+    yours: bool | None = None
+    """Whether it is the user's own configuration (None: the experiment fixes none)."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -74,7 +79,8 @@ class StreamRecommendation:
         }
 
     def line(self) -> str:
-        """The stream's line, and below it the tie where there is one."""
+        """The stream's line, below it what base is where it opens the run, and the tie
+        where there is one."""
         line = stream_line(
             made_at=self.time,
             config=self.config,
@@ -83,7 +89,8 @@ class StreamRecommendation:
             precision=self.precision,
             mfu=self.mfu,
         )
-        return line + (f"\nmbtune: {tie_line(self.tie, self.drift)}" if self.tie else "")
+        base = f"\n{base_line(self.yours)}" if self.opens else ""
+        return line + base + (f"\nmbtune: {tie_line(self.tie, self.drift)}" if self.tie else "")
 
 
 class Reporter:
@@ -122,7 +129,7 @@ class Reporter:
         if a.recommended is None or a.value is None:
             return None
         base = _base(history) or a.value
-        best = per_config(records)[a.recommended].record
+        best, user = per_config(records)[a.recommended].record, self.user_config
         rec = StreamRecommendation(
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             trials=len(records),
@@ -136,6 +143,8 @@ class Reporter:
             tie=a.tie.record() if a.tie else None,
             drift=a.drift,
             ranking=tuple(ranking(records, a)),
+            opens=not history,
+            yours=None if user is None else a.recommended == user.canonical(),
         )
         return rec
 
