@@ -506,7 +506,8 @@ RULES = [
     (Experiment, dict(trial=TrialConfig(backend="replay"))),
     (Experiment, dict(trial=DDP, train_input=TrainInput(batch_size=32, pipeline_stages=2))),
     (Experiment, dict(trial=TrialConfig(parallel="ddp", backend="replay", table=Path("t")))),
-    (Experiment, dict(trial=TrialConfig(parallel="ddp", device="cuda"))),
+    (Experiment, dict(trial=TrialConfig(parallel="ddp", device="cuda"),
+                      ray=RayConfig(gpus_per_trial=0))),  # fmt: skip
     (Experiment, dict(trial=DDP, ray=RayConfig(cpus_per_trial=0))),
     (Experiment, dict(trial=DDP, ray=RayConfig(gpus_per_trial=0.5))),
     (Experiment, dict(search=SearchConfig(space=SpaceConfig(num_devices=(64,))))),
