@@ -1,4 +1,5 @@
-"""The communication model, checked: measured gloo all-reduces against ``ring_allreduce_s``.
+"""The communication model, checked: measured gloo all-reduces against the ring's
+(mbtune.comm.all_reduce).
 
 Method. For n = 2, 3 and 4 processes (``torch.multiprocessing`` spawned, gloo over TCP on
 this host, one intra-op thread each: what a ``parallel: ddp`` trial's workers are on the
@@ -38,9 +39,9 @@ from pathlib import Path
 import numpy as np
 from _common import QUICKSTART, machine, save, table, wait_for_quiet
 
+from mbtune.comm import all_reduce
 from mbtune.config.load import load_experiment
 from mbtune.models.build import build_model
-from mbtune.trial.trial import ring_allreduce_s
 
 NAME = "allreduce_model"
 DEFAULT_BANDWIDTH = 25e9
@@ -168,8 +169,8 @@ def main() -> None:
     rows, errors = [], {"default": {}, "fitted": {}}
     for world in opts.worlds:
         for size, t, iqr in zip(sizes, medians[world], spread[world], strict=True):
-            default = ring_allreduce_s(size, world, DEFAULT_BANDWIDTH, DEFAULT_LATENCY_S)
-            fitted = ring_allreduce_s(size, world, bandwidth, latency)
+            default = all_reduce(size, world).seconds(DEFAULT_BANDWIDTH, DEFAULT_LATENCY_S)
+            fitted = all_reduce(size, world).seconds(bandwidth, latency)
             errors["default"].setdefault(world, []).append(default / t - 1)
             errors["fitted"].setdefault(world, []).append(fitted / t - 1)
             label = f"{size / 2**10:,.0f} KiB" + (" (quickstart)" if size == quickstart else "")
