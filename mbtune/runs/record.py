@@ -188,7 +188,8 @@ COLUMNS: tuple[Column, ...] = (
         "list of int: every m tried (several after halving on OOM)",
     ),
     Column("step_times_ms", "floats", "ms", "list of float: every timed step, in order"),
-    Column("wall_s", "float", "s", "wall time of the whole trial, build and compile included"),
+    Column("wall_s", "float", "s", "wall time of the whole trial, build and compile included "
+           "(in a search: from the start of its process)"),
     Column("device", "text", "", "where the trial ran: `cpu`, `cuda`, `cuda:0`, or `replay`"),
     Column("backend", "text", "", "`torch` (measured) or `replay` (answered from a table)"),
     Column(

@@ -1,30 +1,45 @@
 """The trial's process boundary: how a search's trial actor has one configuration measured.
 
-With ``trial.parallel: simulate`` (and replay) the trial runs in a child process of its
-own, ``python -m mbtune.trial``, which reads a pickled :class:`~mbtune.trial.trial.TrialRequest`
-(the validated ``Experiment`` itself, never a dict to parse again) on its stdin and prints
-its result as one JSON line: an out-of-memory, a crash, a hang or a poisoned CUDA context
-stays in that process, and is recorded as a result. With ``ddp`` the actor fits a Ray
-Train run instead, whose workers are the trial's own processes (mbtune.trial.ddp says why).
+With ``trial.parallel: simulate`` (and replay) the trial runs in a process of its own, a
+child that reads a :class:`~mbtune.trial.trial.TrialRequest` (the validated
+``Experiment`` itself, never a dict to parse again) and prints its result as one JSON line:
+an out-of-memory, a crash, a hang or a poisoned CUDA context stays in that process, and is
+recorded as a result. On Linux the child is forked from the actor's warm parent
+(mbtune.trial.warm: torch and the trial's code already imported, one per actor, kept
+between its trials); elsewhere, or where the warm parent cannot fork safely, it is a fresh
+``python -m mbtune.trial``. With ``ddp`` the actor fits a Ray Train run instead, whose
+workers are the trial's own processes (mbtune.trial.ddp says why).
 
 Neither function imports torch: they run in the search's trial actor.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 from mbtune import progress
+from mbtune.config.experiment import Experiment
 from mbtune.progress import PhaseHook
 from mbtune.trial.trial import TrialRequest, trial_metrics
+from mbtune.trial.warm import Ended, WarmParent
 
-__all__ = ["KILL_GRACE_S", "measure_in_subprocess", "measure_with_ray_train"]
+__all__ = [
+    "KILL_GRACE_S",
+    "measure_in_subprocess",
+    "measure_with_ray_train",
+    "preload_modules",
+    "warm_trials",
+]
 
 KILL_GRACE_S = 60.0
 """How long past ``trial.timeout_s`` a trial process that did not stop itself (stuck in C
@@ -46,7 +61,8 @@ def measure_in_subprocess(
     request: TrialRequest, *, cwd: str, on_phase: PhaseHook | None = None
 ) -> dict[str, Any]:
     """Measure a trial in a child process started in ``cwd``; a crash, a kill or a hang is
-    a result too. ``on_phase`` hears each phase of the trial as it happens."""
+    a result too. ``on_phase`` hears each phase of the trial as it happens. The result's
+    ``wall_s`` is the trial as this process saw it, the child's start included."""
     timeout_s = request.experiment.trial.timeout_s
     started = time.perf_counter()
     base = {**request.config.as_dict(), "objective": 0.0, "reason": None}
@@ -57,39 +73,156 @@ def measure_in_subprocess(
 
     kill_after = timeout_s + KILL_GRACE_S  # the child stops itself at timeout_s: a backstop
     try:
-        with progress.phase_pipe(on_phase) as (phase_args, phase_fds):
-            proc = subprocess.run(
-                [sys.executable, "-m", "mbtune.trial", *phase_args],
-                input=pickle.dumps(request),
-                capture_output=True,
-                cwd=cwd,
-                timeout=kill_after,
-                pass_fds=phase_fds,
-            )
-    except subprocess.TimeoutExpired:
-        return failed(
-            "timeout", f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
-        )
-    except OSError as e:  # on a cluster: the driver's directory is missing on this node
+        if not os.path.isdir(cwd):  # on a cluster: the driver's directory is missing here
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cwd)
+        with (
+            progress.phase_pipe(on_phase) as (phase_args, phase_fds),
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+        ):
+            ended = _run(request, cwd, out, err, phase_args, phase_fds, kill_after)
+            stdout, stderr = _read(out), _read(err)
+    except OSError as e:
         return failed(
             "error", f"cannot start the trial process in {cwd} on {socket.gethostname()}: {e}"
         )
-    # a user model may print anything, in any encoding
-    stdout = proc.stdout.decode(errors="replace")
-    result = _last_json_object(stdout) if proc.returncode == 0 else None
+    if ended.killed:
+        return failed(
+            "timeout", f"killed after {kill_after:g} s: it did not stop itself at {timeout_s:g} s"
+        )
+    returncode = ended.returncode
+    if returncode is None:
+        return failed("error", ended.reason or "the trial process ended unseen")
+    result = _last_json_object(stdout) if returncode == 0 else None
     if result is not None:
-        return result
-    if proc.returncode == -9:
+        return {**result, "wall_s": time.perf_counter() - started}
+    if returncode == -9:
         reason = "the trial process was killed (SIGKILL: the kernel's out-of-memory killer?)"
-    elif proc.returncode < 0:
-        reason = f"the trial process was killed by signal {-proc.returncode}"
-    elif proc.returncode == 0:
+    elif returncode < 0:
+        reason = f"the trial process was killed by signal {-returncode}"
+    elif returncode == 0:
         reason = "the trial process printed no result"
     else:
-        stderr = proc.stderr.decode(errors="replace")
         tail = [line for line in stderr.strip().splitlines() if line.strip()]
-        reason = tail[-1] if tail else f"the trial process exited with {proc.returncode}"
+        reason = tail[-1] if tail else f"the trial process exited with {returncode}"
     return failed("error", reason)
+
+
+def _read(file: IO[bytes]) -> str:
+    """What the trial process wrote to ``file`` (a user model may print anything, in any
+    encoding)."""
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
+def _run(
+    request: TrialRequest,
+    cwd: str,
+    out: IO[bytes],
+    err: IO[bytes],
+    phase_args: list[str],
+    phase_fds: tuple[int, ...],
+    kill_after: float,
+) -> Ended:
+    """Run the trial in a child forked by the warm parent, or else in a fresh process."""
+    pickled = pickle.dumps(request)
+    parent = _warm_parent(request.experiment, cwd)
+    if parent is not None:
+        fds = [out.fileno(), err.fileno(), *phase_fds]
+        ended = parent.run(pickled, cwd=cwd, fds=fds, kill_after=kill_after)
+        _give_back(parent)
+        if ended is not None:
+            return ended
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mbtune.trial", *phase_args],
+            input=pickled, stdout=out, stderr=err, cwd=cwd, timeout=kill_after,
+            pass_fds=phase_fds,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return Ended(None, killed=True)
+    return Ended(proc.returncode)
+
+
+# ---------------------------------------------------------------------------
+# the warm parents of this process (a trial actor has one; a test or a bench may hold more)
+
+
+def warm_trials() -> bool:
+    """Whether trials here fork from a warm parent: on Linux, unless ``MBTUNE_COLD_TRIALS``
+    is set (a fresh process per trial, as before warm parents)."""
+    return sys.platform == "linux" and not os.environ.get("MBTUNE_COLD_TRIALS")
+
+
+def preload_modules(exp: Experiment) -> tuple[str, ...]:
+    """What a warm parent imports for ``exp``'s trials: the trial's code, torch and what
+    the trial would import next (compiling: dynamo and inductor; sharding: FSDP2; an
+    ``hf:`` model: transformers). A user model's module is never among them: its code runs
+    in the child only."""
+    if exp.trial.backend == "replay":
+        return ("mbtune.trial.trial",)
+    modules = ["torch", "mbtune.trial.trial", "mbtune.models.build"]
+    if exp.trial.compile:
+        modules += ["torch._dynamo", "torch._inductor.compile_fx"]
+    if exp.trial.sharding == "fsdp":
+        modules += ["torch.distributed.fsdp"]
+    if exp.model.name.startswith("hf:"):
+        modules += ["transformers", "transformers.modeling_utils", "mbtune.models.hf"]
+    return tuple(modules)
+
+
+_IDLE: list[WarmParent] = []
+_COLD: dict[tuple[str, ...], str] = {}
+"""Preloads whose warm parent could not fork trials, and why: their trials run cold."""
+_LOCK = threading.Lock()
+
+
+def _warm_parent(exp: Experiment, cwd: str) -> WarmParent | None:
+    """An idle warm parent for ``exp``'s trials (one is started where none is idle); None
+    where trials here run cold."""
+    if not warm_trials():
+        return None
+    preload = preload_modules(exp)
+    with _LOCK:
+        if preload in _COLD:
+            return None
+        env = dict(os.environ)
+        mine = [p for p in _IDLE if p.preload == preload and p.env == env and p.alive()]
+        if mine:
+            _IDLE.remove(mine[0])
+            return mine[0]
+        stale = list(_IDLE)  # another experiment's, or another environment's: ended
+        _IDLE.clear()
+    for p in stale:
+        p.close()
+    parent = WarmParent(preload, cwd=cwd)
+    if parent.problem is not None:
+        _gone_cold(parent)
+        return None
+    return parent
+
+
+def _give_back(parent: WarmParent) -> None:
+    """``parent`` idle again, or gone: ended (the next trial starts another) or unable to
+    fork (this process's trials of its kind run cold)."""
+    if parent.alive():
+        with _LOCK:
+            _IDLE.append(parent)
+    elif parent.problem is not None:
+        _gone_cold(parent)
+    else:
+        parent.close()
+
+
+def _gone_cold(parent: WarmParent) -> None:
+    """A warm parent that cannot fork trials: this process's trials of its kind run cold,
+    and its log says why, once."""
+    with _LOCK:
+        first = parent.preload not in _COLD
+        _COLD[parent.preload] = str(parent.problem)
+    parent.close()
+    if first:
+        print(f"mbtune: trials run in fresh processes here: {parent.problem}", file=sys.stderr)
 
 
 def _last_json_object(stdout: str) -> dict[str, Any] | None:

@@ -1,0 +1,316 @@
+"""The warm parent: a process per trial actor that has imported torch and the trial's code
+once, and forks a child for each trial (Linux).
+
+A trial keeps a process of its own (an out-of-memory, a crash, a hang or a leak ends with
+it), but no longer pays a fresh Python, torch's import and torch.compile's (seconds each)
+before it builds its model. mbtune.trial.launch keeps one warm parent per trial actor,
+``python -m mbtune.trial --warm FD MODULE...``: it imports the modules named (torch, the
+trial's code, and what this experiment's trials use: dynamo and inductor to compile,
+transformers for an ``hf:`` model), says it is ready on the socket FD, and then, for each
+request that comes on it, forks a child that runs the trial as ``python -m mbtune.trial``
+would (its stdout, stderr and phase pipe the actor's, its working directory and
+environment the request's) and exits; the parent tells the actor the child's exit status.
+
+What fork cannot carry, and how the parent stays clear of it:
+
+- threads: only the forking thread goes on in the child, so a lock another thread held
+  stays locked there forever. The parent runs no torch op (torch's OpenMP and inter-op
+  pools start at the first op, never at import), starts OpenBLAS (numpy's) with one
+  thread, and checks before every fork that it has one thread; if not, it says why and
+  the actor's trials run cold (``python -m mbtune.trial``, a fresh process each).
+- CUDA: a CUDA context does not survive a fork. The parent never initialises CUDA (it
+  imports torch only; the child is the first to touch the card), and checks that too.
+- a user model is imported in the child only: its code never runs in the parent.
+
+The parent serves one trial at a time (an actor runs one); it ends when the actor's end of
+the socket closes (the actor ended), killing a child still running, and a child ends when
+its parent does (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WARM_FLAG", "Ended", "WarmParent", "answer", "fork_problem", "serve"]
+
+WARM_FLAG = "--warm"
+"""``python -m mbtune.trial --warm FD MODULE...``: serve trials on socket FD."""
+
+_LENGTH = struct.Struct("!Q")
+_MAX_FDS = 8
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------------
+# one trial: what the child (or a cold process) runs
+
+
+def answer(request: Any, phase_fd: int | None) -> None:
+    """Measure ``request`` (a TrialRequest) and print the result as one JSON line; with
+    ``phase_fd``, each phase is written to that file descriptor (mbtune.progress)."""
+    from mbtune.progress import phase_writer
+    from mbtune.trial.trial import trial_metrics
+
+    on_phase = phase_writer(phase_fd) if phase_fd is not None else None
+    metrics = trial_metrics(
+        request.experiment, request.config, repeat=request.repeat, on_phase=on_phase
+    )
+    print(json.dumps(metrics), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# the warm parent
+
+
+def serve(fd: int, preload: list[str]) -> int:
+    """The warm parent's loop: preload, say ready (or why not), then fork a child per
+    request until the actor's end of socket ``fd`` closes."""
+    sock = socket.socket(fileno=fd)
+    problem = _preload(preload) or fork_problem()
+    _send(sock, {"problem": problem})
+    if problem:
+        return 0
+    while True:
+        try:
+            message, fds = _receive(sock)
+        except EOFError:
+            return 0
+        problem = fork_problem()
+        if problem:  # nothing forked: the actor runs this trial and the next ones cold
+            for f in fds:
+                os.close(f)
+            _send(sock, {"problem": problem})
+            return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            os._exit(_child(message, fds))
+        for f in fds:
+            os.close(f)
+        _send(sock, {"pid": pid})
+        returncode = _wait(sock, pid)
+        if returncode is None:
+            return 0  # the actor is gone, and its trial with it
+        _send(sock, {"returncode": returncode})
+
+
+def _preload(modules: list[str]) -> str | None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a missing optional library: its trials say so, cold
+            return f"importing {name} failed: {type(e).__name__}: {e}"
+    return None
+
+
+def fork_problem() -> str | None:
+    """Why this process may not fork a trial (threads running, CUDA initialised); None
+    where it may."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return "no /proc/self/task to count this process's threads in"
+    if len(threads) > 1:
+        names = sorted(_thread_name(t) for t in threads if int(t) != os.getpid())
+        return f"the warm parent runs {len(threads)} threads ({', '.join(names)}), not one"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "the warm parent initialised CUDA"
+    return None
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return tid
+
+
+def _wait(sock: socket.socket, pid: int) -> int | None:
+    """The child's exit status (negative: the signal that ended it), killing it where the
+    actor asks; None where the actor went away (the child is killed, and reaped)."""
+    child = os.pidfd_open(pid)
+    try:
+        while True:
+            ready, _, _ = select.select([child, sock], [], [])
+            if child in ready:
+                return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            try:
+                _receive(sock)  # the actor's one message while a child runs: kill it
+            except EOFError:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(child)
+
+
+def _child(message: dict[str, Any], fds: list[int]) -> int:
+    """The forked child: the request's stdout, stderr, directory and environment, then the
+    trial; the exit code a ``python -m mbtune.trial`` process would have."""
+    code = 0
+    try:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: end with the parent
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        out, err, *phase = fds
+        for f, target in ((out, 1), (err, 2)):
+            os.dup2(f, target)
+            os.close(f)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(message["env"])
+        os.chdir(message["cwd"])
+        sys.path[0] = message["cwd"]  # as ``python -m`` started there
+        answer(pickle.loads(message["request"]), phase[0] if phase else None)
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()  # a user model's exit handlers, as at a process's end
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit code Python gives ``SystemExit(e.code)`` (a text is printed, code 1)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------------------
+# the actor's side
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a trial's process ended."""
+
+    returncode: int | None
+    """Its exit status (negative: the signal that ended it); None where it is not known."""
+    killed: bool = False
+    """Killed by the actor, still running at its deadline."""
+    reason: str | None = None
+    """Why the exit status is not known."""
+
+
+class WarmParent:
+    """One warm parent (``python -m mbtune.trial --warm``) and the actor's end of its
+    socket, started here with ``preload`` imported. ``problem``: why it cannot fork trials
+    (None: it can, as long as it lives)."""
+
+    def __init__(self, preload: tuple[str, ...], *, cwd: str) -> None:
+        self.preload = preload
+        self.env = dict(os.environ)
+        """The environment it started with: libraries read theirs once, as they load."""
+        ours, theirs = socket.socketpair()
+        env = {**self.env}
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's pool would start at import
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mbtune.trial", WARM_FLAG, str(theirs.fileno()),
+                 *preload],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd, env=env,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.problem: str | None
+        try:
+            self.problem = _receive(ours)[0]["problem"]
+        except EOFError:
+            self.problem = f"the warm parent exited with {self.process.wait()} as it started"
+
+    def alive(self) -> bool:
+        return self.problem is None and self.process.poll() is None
+
+    def run(self, request: bytes, *, cwd: str, fds: list[int], kill_after: float) -> Ended | None:
+        """Fork a child for the pickled TrialRequest ``request``, with ``fds`` (its stdout,
+        stderr and phase pipe), killed at ``kill_after`` seconds; how it ended, or None
+        where nothing was forked (the parent cannot fork, ``problem`` says why, or it has
+        ended)."""
+        message = {"request": request, "cwd": cwd, "env": dict(os.environ)}
+        try:
+            _send(self.sock, message, fds)
+            reply = _receive(self.sock)[0]
+        except (EOFError, OSError):
+            return None
+        if reply.get("problem"):
+            self.problem = reply["problem"]
+            return None
+        try:
+            killed = not select.select([self.sock], [], [], kill_after)[0]
+            if killed:
+                _send(self.sock, {"kill": True})
+            return Ended(_receive(self.sock)[0]["returncode"], killed=killed)
+        except (EOFError, OSError) as e:
+            return Ended(None, reason=f"the trial's warm parent ended ({self._ended(e)})")
+
+    def _ended(self, e: BaseException) -> str:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return f"{type(e).__name__}: {e}"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def close(self) -> None:
+        """End the warm parent: it exits once its socket closes."""
+        self.sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+
+# ---------------------------------------------------------------------------
+# messages: a length, a pickle, and file descriptors beside the length
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+    data = pickle.dumps(message)
+    socket.send_fds(sock, [_LENGTH.pack(len(data))], list(fds))
+    sock.sendall(data)
+
+
+def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, _MAX_FDS)
+    head += _exactly(sock, _LENGTH.size - len(head)) if head else b""
+    if not head:
+        raise EOFError("the other end closed")
+    (length,) = _LENGTH.unpack(head)
+    return pickle.loads(_exactly(sock, length)), fds
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("the other end closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
