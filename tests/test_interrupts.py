@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_search import TABLE
+from trial_gate import TrialGate
 
 MBTUNE = Path(sys.executable).with_name("mbtune")
 
@@ -37,25 +38,33 @@ def experiment(tmp_path: Path, **search) -> Path:
 
 
 def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3, **search):
-    """Start `mbtune run`, send ``sig`` once ``after_rows`` trials are in trials.csv (0:
-    as soon as the run directory exists, during start-up)."""
+    """Start `mbtune run`, send ``sig`` once ``after_rows`` trials are in trials.csv and
+    the next one holds at the gate (0: as soon as the run directory exists, during
+    start-up): the first ``after_rows`` trials pass it, so that the search cannot have
+    moved on, or finished, between the poll and the signal."""
+    gate = TrialGate(tmp_path / "gate", passes=after_rows)
     proc = subprocess.Popen(
         [MBTUNE, "run", str(experiment(tmp_path, **search))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gate.env(),
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        runs = [d / "trials.csv" for d in (tmp_path / "runs").glob("sig-*")]
-        if runs and after_rows == 0:
-            break
-        if runs and runs[0].exists() and len(runs[0].read_text().splitlines()) > after_rows:
-            break
-        time.sleep(0.05 if after_rows == 0 else 0.2)
-    else:
-        proc.kill()
-        pytest.fail("the search never finished its first trials")
-    os.kill(proc.pid, sig)
-    out, err = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            runs = [d / "trials.csv" for d in (tmp_path / "runs").glob("sig-*")]
+            if runs and after_rows == 0:
+                break
+            finished = len(rows(runs[0].parent)) if runs and runs[0].exists() else 0
+            if finished >= after_rows and gate.held():
+                assert finished == after_rows  # no trial past the gate
+                break
+            time.sleep(0.05)
+        else:
+            proc.kill()
+            pytest.fail(f"the search never held after {after_rows} trials\n{proc.stderr.read()}")
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        gate.release()  # what the signal left holding goes on (and ends)
     return proc.returncode, out, err, runs[0].parent
 
 
@@ -96,41 +105,9 @@ def test_sigterm_stops_cleanly_and_resume_completes_the_search(tmp_path):
     resume_and_check(run, before)
 
 
-@pytest.mark.slow
-def test_a_killed_driver_loses_no_finished_trial_and_resume_completes_it(tmp_path):
-    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL)
-    assert code == -signal.SIGKILL
-    before = rows(run)
-    assert len(before) >= 3 and not (run / "summary.json").exists()
-    resume_and_check(run, before)
-
-
-@pytest.mark.slow
-def test_a_resume_after_sigkill_is_clean_with_optuna_and_keeps_the_budget(tmp_path):
-    # Optuna's study (optuna.db) outlives the kill, told of trials Ray never saved:
-    # the resumed searcher must not tell it again ("Cannot tell a COMPLETE trial")
-    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, sampler="tpe", num_samples=10)
-    assert code == -signal.SIGKILL
-    before = rows(run)
-    done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    clean(done.stdout + done.stderr)
-    resumed = [line for line in done.stdout.splitlines() if line.startswith("mbtune: resuming: ")]
-    assert resumed == [f"mbtune: resuming: {len(before)} trials finished"] or (
-        len(resumed) == 1 and resumed[0].endswith("interrupted, measured again")
-    ), done.stdout
-    after = rows(run)
-    assert after[: len(before)] == before
-    first = [(r["num_devices"], r["micro_batch_size"]) for r in after if r["repeat"] == "0"]
-    assert len(first) == len(set(first))  # no configuration first-measured twice
-    assert len(after) <= 10  # the budget, though Ray's saved state knew fewer trials
-
-
-@pytest.mark.slow
-def test_a_second_writer_of_a_run_directory_exits_2_naming_the_first(tmp_path):
-    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL)
-    before = rows(run)
+def second_writer_is_refused(run: Path) -> None:
+    """A second writer of a run directory (a resume while another holds it) exits 2 naming
+    the first, before it writes anything."""
     state = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
     # the first writer: a resume holds the lock for its whole run (held here, so that the
     # second surely comes while it runs, however fast the replayed trials are)
@@ -153,8 +130,6 @@ def test_a_second_writer_of_a_run_directory_exits_2_naming_the_first(tmp_path):
     # refused before it wrote anything: the lock aside, the run directory is as it was
     after = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
     assert [x for x in after if x[0].name != ".lock"] == [x for x in state if x[0].name != ".lock"]
-    # the holder was SIGKILLed: its lock is gone, and the resume completes the search
-    resume_and_check(run, before)
 
 
 def test_sigint_and_sigterm_ask_tune_for_its_graceful_stop():
@@ -211,9 +186,14 @@ def recomputed(run: Path) -> dict | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("after_rows", KILL_SCHEDULE)
 def test_a_driver_killed_at_a_scheduled_point_resumes_to_the_same_answer(tmp_path, after_rows):
+    """A killed driver loses no finished trial and leaves no summary; while another
+    process holds the run directory a second writer is refused; the resume completes the
+    search, to the answer its trials give."""
     code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, after_rows=after_rows)
+    assert code == -signal.SIGKILL
     before = rows(run)
-    assert len(before) >= after_rows  # what had finished was on disk when the kill came
+    assert len(before) == after_rows  # what had finished was on disk when the kill came
+    assert not (run / "summary.json").exists()
     if not (run / "ray").exists():  # killed before Ray saved anything: nothing to resume
         assert before == []
         done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
@@ -223,6 +203,8 @@ def test_a_driver_killed_at_a_scheduled_point_resumes_to_the_same_answer(tmp_pat
         assert done.returncode == 2 and len(errors) == 1, done.stderr
         clean(done.stdout + done.stderr)
         return
+    second_writer_is_refused(run)
+    # the holder was SIGKILLed: its lock is gone, and the resume completes the search
     resume_and_check(run, before)  # nothing lost, nothing measured twice, no traceback
     summary = json.loads((run / "summary.json").read_text())
     assert recomputed(run) == summary["recommended"]

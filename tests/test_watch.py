@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from rundirs import make_run, recommendation_record, trial_row
 from test_interrupts import MBTUNE, experiment
+from trial_gate import TrialGate
 
 from mbtune.analysis import watch as watch_module
 from mbtune.analysis.watch import Watcher, watch
@@ -157,15 +158,26 @@ def test_ctrl_c_ends_it_with_0_and_nothing_more(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys):
+def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys, monkeypatch):
+    # two trials pass the gate, the third holds until watch has shown the run once
+    gate = TrialGate(tmp_path / "gate", passes=2)
+    shown = Watcher.poll
+
+    def poll(self):
+        view = shown(self)
+        if view is not None:
+            gate.release()
+        return view
+
+    monkeypatch.setattr(Watcher, "poll", poll)
     search = subprocess.Popen(
         [MBTUNE, "run", str(experiment(tmp_path))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gate.env(),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not list((tmp_path / "runs").glob("sig-*/experiment.yaml")):
-            assert time.monotonic() < deadline and search.poll() is None, "no run directory"
+        while not gate.held():
+            assert time.monotonic() < deadline and search.poll() is None, "no trial held"
             time.sleep(0.05)
         run = next((tmp_path / "runs").glob("sig-*"))
         assert not (run / "summary.json").exists()  # it follows a live run
@@ -173,6 +185,7 @@ def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys):
         out = capsys.readouterr().out
         stream, err = search.communicate(timeout=120)
     finally:
+        gate.release()
         search.kill()
     assert search.returncode == 0, err[-2000:]
     streamed = [x for x in stream.splitlines() if "recommended micro_batch_size:" in x]
