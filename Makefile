@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine:
 #   make demo   sets everything up and runs the quickstart
 #   make test   sets everything up and runs the test suite
+# and, for a developer's loop, make test-fast: the suite less its `slow` tests (the whole
+# searches, compiles and multi-process trials).
 #
 # PyTorch is installed first, on its own, so that pip never resolves `torch`
 # to the multi-gigabyte CUDA build on a machine without a GPU. Override
@@ -11,7 +13,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 $(BIN)/mbtune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +27,15 @@ setup: $(BIN)/mbtune
 demo: setup
 	$(BIN)/mbtune run experiments/quickstart.yaml
 
+# two pytest-xdist workers; tests/conftest.py puts the tests of the session's Ray in one
+# group, on one worker
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup
+
 test: setup
-	$(BIN)/python -m pytest
+	$(PYTEST)
+
+test-fast: setup
+	$(PYTEST) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,8 +1,34 @@
-"""Shared fixtures: Ray is started once per test session, and only by the tests that need it."""
+"""Shared fixtures: Ray is started once per test session, and only by the tests that need
+it; the modules that must stay light are imported once, in one fresh process.
 
+`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). The
+tests that use the session's Ray (``ray_session``, marked ``ray``) are one group, ``ray``:
+they run one after another on one worker, which starts the one Ray they share (two Rays of
+2 CPUs each would only fight over this machine's two cores), while the other worker, and
+this one when it is free, run the rest, the other slow ones included (searches run as
+commands start their own Ray, as a user's `mbtune run` does; trials in processes)."""
+
+from __future__ import annotations
+
+import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+RAY_GROUP = "ray"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        uses_ray = "ray_session" in getattr(item, "fixturenames", ())  # directly or not
+        if uses_ray and not item.get_closest_marker("ray"):
+            raise pytest.UsageError(f"{item.nodeid} uses ray_session: mark it ray")
+        if uses_ray:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +38,67 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     yield ray
     ray.shutdown()
+
+
+# -- what the light modules import ------------------------------------------------------
+
+LIGHT_IMPORTS = {
+    "package": "import mbtune",
+    "record": "import mbtune.runs.record, mbtune.runs.rundir, mbtune.recommend.reporter",
+    "loaders": "from mbtune import load_run, load_runs",
+    "analysis": "import mbtune.analysis.frames, mbtune.analysis.export, mbtune.analysis.plots",
+    "cores": "import mbtune.lattice, mbtune.config.load, mbtune.recommend.confidence, "
+    "mbtune.recommend.reporter",
+    "batch": "import mbtune.models.batch",
+    "plan": "import mbtune.plan",
+    "hf_keys": "from mbtune.config.model_options import hf_config_key\n"
+    "result = [hf_config_key(t, 'num_hidden_layers') for t in ('gpt2', 'llama', 'clip')]",
+}
+"""Steps run in this order in one fresh process, a test naming its step: first those that
+must not bring pandas, then the loaders, which do. ``result``: a value a step hands back."""
+
+WATCHED = ("torch", "ray", "pandas", "transformers")
+"""The heavy libraries whose import is looked for."""
+
+_RUNNER = """
+import json, sys
+steps, watched, found, ns = json.loads(sys.argv[1]), sys.argv[2].split(","), [], {}
+for name, code in steps.items():
+    before = {m for m in watched if m in sys.modules}
+    exec(code, ns)
+    new = sorted(m for m in watched if m in sys.modules and m not in before)
+    found.append([name, new, ns.pop("result", None)])
+print(json.dumps(found))
+"""
+
+
+class LightImports:
+    """What :data:`LIGHT_IMPORTS`' steps imported, in one process, one after another."""
+
+    def __init__(self, found: list[list]) -> None:
+        self.found = found
+
+    def loaded(self, step: str) -> dict[str, str]:
+        """The watched libraries in the process once ``step`` has run (the steps before it
+        ran too), each with the step that imported it."""
+        seen: dict[str, str] = {}
+        for name, new, _ in self.found:
+            seen.update({m: name for m in new if m not in seen})
+            if name == step:
+                return seen
+        raise KeyError(step)
+
+    def result(self, step: str):
+        return next(result for name, _, result in self.found if name == step)
+
+
+@pytest.fixture(scope="session")
+def light_imports() -> LightImports:
+    """Each step of :data:`LIGHT_IMPORTS`, in one fresh process (one start-up for every
+    test of what a module imports, not one each)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(LIGHT_IMPORTS), ",".join(WATCHED)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return LightImports(json.loads(done.stdout.splitlines()[-1]))

@@ -4,8 +4,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +57,7 @@ def replay_run(ray_session, tmp_path_factory):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_load_run_reads_a_finished_search(replay_run):
     df = load_run(replay_run)
     assert list(df.columns[: len(COLUMNS)]) == list(COLUMNS)
@@ -81,6 +80,7 @@ def test_load_run_reads_a_finished_search(replay_run):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_analyze_a_finished_search_end_to_end(replay_run, capsys):
     from mbtune.cli import main
 
@@ -184,16 +184,12 @@ def test_load_runs_adds_a_run_column(tmp_path):
         load_runs([])
 
 
-def test_the_package_exports_the_loaders_without_importing_pandas_early():
-    code = (
-        "import sys, mbtune; assert 'pandas' not in sys.modules; "
-        "from mbtune import load_run, load_runs; assert 'pandas' in sys.modules; "
-        "import mbtune.analysis.frames, mbtune.analysis.export, mbtune.analysis.plots; "
-        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
-        "sys.exit(f'imported {bad}' if bad else 0)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+def test_the_package_exports_the_loaders_without_importing_pandas_early(light_imports):
+    # conftest.LIGHT_IMPORTS: import mbtune, then its loaders, then the analysis modules
+    assert "pandas" not in light_imports.loaded("package")
+    assert light_imports.loaded("loaders").get("pandas") == "loaders"  # they bring it
+    loaded = light_imports.loaded("analysis")
+    assert not {"torch", "ray"} & loaded.keys(), loaded
     assert mbtune.load_run is load_run and mbtune.load_runs is load_runs
 
 
@@ -601,11 +597,6 @@ def test_one_rule_for_a_half_written_row_everywhere(tmp_path, tail, trials):
     assert load_run(path)["trial"].tolist() == [*trials, 9]
 
 
-def test_the_record_imports_neither_torch_nor_pandas_nor_ray():
-    code = (
-        "import sys, mbtune.runs.record, mbtune.runs.rundir, mbtune.recommend.reporter; "
-        "bad = [m for m in ('torch', 'pandas', 'ray') if m in sys.modules]; "
-        "sys.exit(f'imported {bad}' if bad else 0)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+def test_the_record_imports_neither_torch_nor_pandas_nor_ray(light_imports):
+    loaded = light_imports.loaded("record")  # conftest.LIGHT_IMPORTS: the modules imported
+    assert not {"torch", "pandas", "ray"} & loaded.keys(), loaded

@@ -92,6 +92,7 @@ def measure(exp, m):
 # -- the trial process a search runs -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
 def test_a_trial_that_raises_or_runs_out_of_memory_is_a_result(tmp_path, monkeypatch, m):
     result = measure(faulty_experiment(tmp_path, monkeypatch), m)
@@ -100,6 +101,7 @@ def test_a_trial_that_raises_or_runs_out_of_memory_is_a_result(tmp_path, monkeyp
     assert reason in result["reason"]
 
 
+@pytest.mark.slow
 def test_a_trial_past_its_timeout_stops_itself(tmp_path, monkeypatch):
     exp = faulty_experiment(tmp_path, monkeypatch, trial={"timeout_s": 2})
     started = time.perf_counter()
@@ -109,6 +111,7 @@ def test_a_trial_past_its_timeout_stops_itself(tmp_path, monkeypatch):
     assert time.perf_counter() - started < 30  # the backstop (62 s) was not needed
 
 
+@pytest.mark.slow
 def test_a_trial_that_does_not_stop_itself_is_killed(tmp_path, monkeypatch):
     exp = faulty_experiment(tmp_path, monkeypatch, trial={"timeout_s": 2}, block_alarm=True)
     monkeypatch.setattr(launch, "KILL_GRACE_S", 1.0)
@@ -121,6 +124,7 @@ def test_a_trial_that_does_not_stop_itself_is_killed(tmp_path, monkeypatch):
     assert 3 <= time.perf_counter() - started < 30
 
 
+@pytest.mark.slow
 def test_a_trial_that_prints_after_its_result_is_still_read(tmp_path, monkeypatch):
     result = measure(faulty_experiment(tmp_path, monkeypatch, chatty=True), 1)
     assert result["status"] == "ok" and result["samples_per_s"] > 0
@@ -148,6 +152,7 @@ def test_a_failed_trial_actor_is_recorded_once(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_search_records_every_fault_and_keeps_every_other_result(
     ray_session, tmp_path, monkeypatch
 ):

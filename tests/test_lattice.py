@@ -1,7 +1,6 @@
 """The lattice math: exact values on hand-made cases, properties on random ones."""
 
 import re
-import sys
 
 import pytest
 from hypothesis import given
@@ -12,16 +11,9 @@ from mbtune.config.train_input import check_batch_size, check_micro_batch_size
 from mbtune.lattice import BatchConfig, LatticeError
 
 
-def test_the_pure_cores_import_neither_torch_nor_ray():
-    import subprocess
-
-    code = (
-        "import sys, mbtune.lattice, mbtune.config.load, mbtune.recommend.confidence, "
-        "mbtune.recommend.reporter; "
-        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+def test_the_pure_cores_import_neither_torch_nor_ray(light_imports):
+    loaded = light_imports.loaded("cores")  # conftest.LIGHT_IMPORTS: the modules imported
+    assert not {"torch", "ray"} & loaded.keys(), loaded
 
 
 # -- splits -------------------------------------------------------------------

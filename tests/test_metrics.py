@@ -124,6 +124,7 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_the_gauges_reach_rays_endpoint_with_the_values_of_the_run_files(ray_session, tmp_path):
     from mbtune.search import run_search
 

@@ -86,6 +86,7 @@ def test_elsewhere_a_running_trial_says_so_in_plain_lines_only_when_it_runs_long
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
+@pytest.mark.slow
 def test_the_trial_process_tells_each_phase_through_its_pipe(tmp_path):
     exp = parse_experiment(
         {

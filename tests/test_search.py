@@ -41,6 +41,7 @@ def replay_experiment(tmp_path, **search):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_grid_search_measures_every_configuration_once(ray_session, tmp_path):
     lines = []
     outcome = run_search(replay_experiment(tmp_path, sampler="grid"), echo=lines.append)
@@ -71,6 +72,7 @@ def test_a_grid_search_measures_every_configuration_once(ray_session, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_the_search_streams_recommendations_and_stops_when_confident(ray_session, tmp_path):
     import json
 
@@ -92,6 +94,7 @@ def test_the_search_streams_recommendations_and_stops_when_confident(ray_session
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_tpe_search_respects_num_samples_and_objective(ray_session, tmp_path):
     exp = replay_experiment(
         tmp_path, sampler="tpe", num_samples=5, objective="samples_per_s_per_device"
@@ -127,6 +130,7 @@ def build(how="kill"):
     ("how", "reason"),
     [("kill", "the trial process was killed (SIGKILL"), ("exit", "exited with 3")],
 )
+@pytest.mark.slow
 def test_a_trial_process_that_dies_is_a_recorded_error(tmp_path, how, reason):
     (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING))
     exp = parse_experiment(
@@ -143,6 +147,7 @@ def test_a_trial_process_that_dies_is_a_recorded_error(tmp_path, how, reason):
     assert result["objective"] == 0.0 and result["micro_batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_the_trial_process_reports_json(tmp_path):
     exp = replay_experiment(tmp_path)
     request = TrialRequest(experiment=exp, config=BatchConfig(32, 2, 8))
@@ -152,6 +157,7 @@ def test_the_trial_process_reports_json(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_warm_start_and_resume(ray_session, tmp_path, monkeypatch):
     from mbtune.search import resume_search
 
@@ -250,6 +256,7 @@ def test_the_callbacks_still_pickle_once_ray_has_replaced_print(tmp_path, monkey
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["model", "grid"])
 def test_a_search_over_activation_checkpointing_recommends_one_setting(
     ray_session, tmp_path, sampler

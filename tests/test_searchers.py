@@ -43,7 +43,9 @@ def speed(c):
     return c.num_devices * c.micro_batch_size / (c.micro_batch_size + 4)
 
 
-@pytest.mark.parametrize("sampler", ["model", "tpe", "gp", "random", "grid"])
+@pytest.mark.parametrize(
+    "sampler", ["model", "tpe", pytest.param("gp", marks=pytest.mark.slow), "random", "grid"]
+)  # gp: Optuna's Gaussian process, 10 s here
 def test_every_sampler_proposes_each_valid_point_once_and_finishes(sampler):
     searcher = make_searcher(sampler, POINTS, seed=0)
     measured = drive(searcher, speed)

@@ -48,6 +48,7 @@ def _sharded_replay(tmp_path, **search):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_search_over_the_sharding_knobs_recommends_them_and_exports_them(ray_session, tmp_path):
     transformers = pytest.importorskip("transformers")
     from mbtune.analysis.analyze import export_run
@@ -250,6 +251,7 @@ def _knobs_rank(rank: int, world: int, init: str, reshard: bool, sync: str) -> N
     os._exit(0)  # as tests/test_sharding.py's ranks: gloo's threads can abort the teardown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("reshard", "sync"), [(False, "every")])  # the defaults: test_sharding
 def test_the_knobs_change_what_a_rank_holds_and_not_the_gradients(tmp_path, reshard, sync):
     import torch.multiprocessing as mp

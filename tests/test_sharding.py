@@ -118,6 +118,7 @@ def _sharded_rank(rank: int, world: int, init: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_ranks_inits_and_steps_as_one_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -1,8 +1,5 @@
 """`mbtune init`: a commented starter experiment that validates, never over another file."""
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
@@ -88,15 +85,12 @@ def test_an_hf_starter_writes_its_config_s_own_keys(tmp_path, model_type, sizes,
     assert options == {"task": "causal-lm", "seq_len": 64, **expected}
 
 
-def test_the_layer_count_s_name_is_the_one_transformers_gives_without_importing_it():
+def test_the_layer_count_s_name_is_the_one_transformers_gives_without_importing_it(light_imports):
     transformers = pytest.importorskip("transformers")
-    code = (
-        "import sys; from mbtune.config.model_options import hf_config_key; "
-        "print([hf_config_key(t, 'num_hidden_layers') for t in ('gpt2', 'llama', 'clip')], "
-        "sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['n_layer', 'num_hidden_layers', None] []"
+    # conftest.LIGHT_IMPORTS: in a fresh process, the keys for gpt2, llama and clip
+    assert light_imports.result("hf_keys") == ["n_layer", "num_hidden_layers", None]
+    loaded = light_imports.loaded("hf_keys")
+    assert not {"torch", "transformers"} & loaded.keys(), loaded
     # what transformers itself says (importing its configs imports torch: here only)
     for model_type in ("gpt2", "llama", "t5", "bloom", "bert", "mistral", "whisper"):
         config = transformers.AutoConfig.for_model(model_type)

@@ -251,6 +251,7 @@ def test_checkpointing_lowers_the_peak_of_a_4_layer_gpt_at_m_32(tmp_path):
     assert with_ <= 0.85 * without, (with_, without)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["tensor", "dict"])
 def test_a_dynamic_compile_marks_the_sample_dimension_of_any_batch_form(tmp_path, form):
     # trial.dynamic marked `for t in batch`: a dict's keys, a bare tensor's rows

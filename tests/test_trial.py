@@ -238,6 +238,7 @@ def test_batch_mixing_models_are_measured_at_the_full_per_device_batch():
     assert "BatchNorm" in r.note and "measured at micro_batch_size 8" in r.note
 
 
+@pytest.mark.slow
 def test_compiled_trial_reports_compile_time_apart():
     r = run_trial(experiment(trial={"compile": True}), BatchConfig(8, 1, 4))
     assert r.status == "ok", r.reason
@@ -246,6 +247,7 @@ def test_compiled_trial_reports_compile_time_apart():
     assert r.compile_fallback is None
 
 
+@pytest.mark.slow
 def test_fallback_to_eager_is_detected():
     import torch._dynamo
 
@@ -259,6 +261,7 @@ def test_fallback_to_eager_is_detected():
     assert "trial.dynamic: true" in r.compile_fallback
 
 
+@pytest.mark.slow
 def test_dynamic_compiles_one_graph_for_every_micro_batch_size():
     import torch._dynamo
 
