@@ -104,11 +104,10 @@ def test_a_trial_that_raises_or_runs_out_of_memory_is_a_result(tmp_path, monkeyp
 @pytest.mark.slow
 def test_a_trial_past_its_timeout_stops_itself(tmp_path, monkeypatch):
     exp = faulty_experiment(tmp_path, monkeypatch, trial={"timeout_s": 2})
-    started = time.perf_counter()
     result = measure(exp, 8)
     assert result["status"] == "timeout" and result["objective"] == 0
+    # it stopped itself: the backstop (62 s) would say "killed after 62 s: it did not stop"
     assert result["reason"] == "still running after trial.timeout_s = 2 s"
-    assert time.perf_counter() - started < 30  # the backstop (62 s) was not needed
 
 
 @pytest.mark.slow
@@ -120,8 +119,9 @@ def test_a_trial_that_does_not_stop_itself_is_killed(tmp_path, monkeypatch):
     assert (result["status"], result["micro_batch_size"], result["objective"]) == (
         "timeout", 8, 0
     )  # fmt: skip
+    # killed by the search, not ended by its 600 s sleep: it waited the grace, no less
     assert result["reason"] == "killed after 3 s: it did not stop itself at 2 s"
-    assert 3 <= time.perf_counter() - started < 30
+    assert time.perf_counter() - started >= 3
 
 
 @pytest.mark.slow
