@@ -4,9 +4,10 @@ it; the modules that must stay light are imported once, in one fresh process.
 `make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). The
 tests that use the session's Ray (``ray_session``, marked ``ray``) are one group, ``ray``:
 they run one after another on one worker, which starts the one Ray they share (two Rays of
-2 CPUs each would only fight over this machine's two cores), while the other worker, and
-this one when it is free, run the rest, the other slow ones included (searches run as
-commands start their own Ray, as a user's `mbtune run` does; trials in processes)."""
+2 CPUs each would only fight over this machine's two cores); so are the tests that share a
+module-scoped fixture (test_cluster's cluster), which is then started once. The workers
+share the rest, the other slow tests included (searches run as commands start their own
+Ray, as a user's `mbtune run` does; trials run in processes of their own)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,33 @@ import pytest
 RAY_GROUP = "ray"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    for item in items:  # before the other hooks, xdist's among them
         uses_ray = "ray_session" in getattr(item, "fixturenames", ())  # directly or not
         if uses_ray and not item.get_closest_marker("ray"):
             raise pytest.UsageError(f"{item.nodeid} uses ray_session: mark it ray")
         if uses_ray:
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        elif shared := _module_fixtures(item):  # built once, for the tests on one worker
+            item.add_marker(pytest.mark.xdist_group("+".join(shared)))
+    yield
+    # after them: what xdist's --dist loadgroup does on a worker, where xdist 3.8 cannot on
+    # pytest 9: a test of a group gets the group's name after its id (``...::test@ray``),
+    # by which the scheduler sends the whole group to one worker. xdist writes
+    # ``item._nodeid``; pytest 9 reads a node's id from ``item._id`` (a NodeId)
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+            if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+                item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+def _module_fixtures(item: pytest.Item) -> list[str]:
+    """The module-scoped fixtures ``item`` uses (test_cluster's cluster of `ray start`
+    nodes): the tests that share one are a group, so that it is started once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return sorted(name for name, d in defs.items() if d and d[-1].scope == "module")
 
 
 @pytest.fixture(scope="session")
