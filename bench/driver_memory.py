@@ -104,7 +104,7 @@ def experiment(workdir: Path, trials: int, sampler: str):
 
 def optuna_trials(db: Path) -> int | None:
     """Trials in the search's Optuna study (each repeated proposal answered from the cache
-    is one too), or None without a study (grid and the baselines keep none)."""
+    is one too), or None without a study (a run from before every run kept one)."""
     import sqlite3
 
     if not db.exists():

@@ -1,5 +1,6 @@
-"""The run's Optuna study as optuna-dashboard shows it: the user's sizes and results as
-user attributes of every trial, no trial left running, the recommendation as the note."""
+"""The run's Optuna study as optuna-dashboard shows it, whatever the sampler: the user's
+sizes and what each trial measured as user attributes, predictions as pruned trials, no
+trial left running, the recommendation as the note; the study and trials.csv agreeing."""
 
 from __future__ import annotations
 
@@ -9,45 +10,45 @@ import sys
 
 import optuna
 import pytest
-from test_interrupts import MBTUNE, start_and_signal
+from test_interrupts import MBTUNE, clean, start_and_signal
 from test_search import replay_experiment
 
 from mbtune.lattice import BatchConfig
+from mbtune.runs.load import load_run_experiment
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import RunDir
-from mbtune.search import OptunaSearcher, OptunaSpace, run_search
-from mbtune.search._study import (
-    STUDY_NAME,
-    fail_interrupted,
-    publish_recommendation,
-    record_attrs,
-)
+from mbtune.search import OptunaSpace, make_searcher, run_search, search_points
+from mbtune.search._study import STUDY_NAME, SearchStudy, record_attrs, records_of
 
 POINTS = [BatchConfig(32, n, m) for n in (1, 2) for m in (1, 2, 4, 8)]
+OK, FAIL, PRUNED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
+                    optuna.trial.TrialState.PRUNED)  # fmt: skip
 
 
 def sqlite(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'optuna.db'}"
 
 
-def searcher(tmp_path) -> OptunaSearcher:
-    storage = optuna.storages.RDBStorage(sqlite(tmp_path))
-    return OptunaSearcher(OptunaSpace(POINTS), "tpe", seed=0, storage=storage)
+def ledger(tmp_path) -> SearchStudy:
+    """The run's study as its trial log writes it (mbtune.search._ledger)."""
+    return SearchStudy.at(sqlite(tmp_path), OptunaSpace(POINTS))
 
 
 def study(tmp_path) -> optuna.Study:
     return optuna.load_study(study_name=STUDY_NAME, storage=sqlite(tmp_path))
 
 
-def record(config: BatchConfig, samples_per_s: float | None, status: str = "ok") -> TrialRecord:
+def record(config: BatchConfig, samples_per_s: float | None, status: str = "ok",
+           trial: int = 1, **more) -> TrialRecord:  # fmt: skip
     return TrialRecord(
-        trial=1, status=status, **config.sizes(), grad_accum_steps=config.grad_accum_steps,
-        samples_per_s=samples_per_s, peak_memory_bytes=2**20,
+        trial=trial, status=status, **config.sizes(), grad_accum_steps=config.grad_accum_steps,
+        samples_per_s=samples_per_s, objective=samples_per_s or 0.0, peak_memory_bytes=2**20,
+        **more,
     )  # fmt: skip
 
 
 def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
-    s = searcher(tmp_path)
+    s = make_searcher("tpe", POINTS, seed=0, url=sqlite(tmp_path))
     proposed = BatchConfig.from_mapping(s.suggest("t1"))
     asked = study(tmp_path).trials[0]
     assert asked.state == optuna.trial.TrialState.RUNNING
@@ -55,125 +56,176 @@ def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
         "batch_size": proposed.batch_size, "num_devices": proposed.num_devices,
         "micro_batch_size": proposed.micro_batch_size, "activation_checkpointing": False,
         "reshard_after_forward": True, "grad_sync": "last",
-        "grad_accum_steps": proposed.grad_accum_steps,
+        "grad_accum_steps": proposed.grad_accum_steps, "trial_id": "t1", "repeat": 0,
     }  # fmt: skip
-    # measured at half the proposed micro-batch (halved on out of memory)
+    # measured at half the proposed micro-batch (halved on out of memory); the trial log
+    # tells the study, after trials.csv's row
     ran = BatchConfig(proposed.batch_size, proposed.num_devices, 1)
-    s.on_trial_complete("t1", {"objective": 123.0, **record_attrs(record(ran, 123.0))})
+    s.on_trial_complete("t1", {"objective": 123.0})
+    ledger(tmp_path).tell(record(ran, 123.0, trial_id="t1", step_times_ms=(26.0, 26.1)))
     told = study(tmp_path).trials[0]
-    assert told.state == optuna.trial.TrialState.COMPLETE and told.value == 123.0
+    assert told.state == OK and told.value == 123.0
     assert told.user_attrs == {
-        "batch_size": 32, "num_devices": ran.num_devices, "micro_batch_size": 1,
+        "trial": 1, "trial_id": "t1", "status": "ok", "batch_size": 32,
+        "num_devices": ran.num_devices, "micro_batch_size": 1,
         "activation_checkpointing": False, "reshard_after_forward": True, "grad_sync": "last",
-        "grad_accum_steps": ran.grad_accum_steps,
-        "status": "ok", "samples_per_s": 123.0, "peak_memory_bytes": 2**20, "trial": 1,
+        "repeat": 0, "grad_accum_steps": ran.grad_accum_steps, "samples_per_s": 123.0,
+        "peak_memory_bytes": 2**20, "objective": 123.0, "step_times_ms": [26.0, 26.1],
     }  # fmt: skip
+    # the study holds the record whole: read back, it is trials.csv's
+    assert ledger(tmp_path).records() == [record(ran, 123.0, trial_id="t1",
+                                                 step_times_ms=(26.0, 26.1))]  # fmt: skip
 
 
-def test_a_told_result_is_a_trial_with_the_users_sizes(tmp_path):
-    s = searcher(tmp_path)
-    s.tell(BatchConfig(32, 2, 4), 0.0, measured=True, attrs=record_attrs(
-        record(BatchConfig(32, 2, 4), None, status="oom")))  # fmt: skip
-    s.tell(BatchConfig(32, 1, 8), 300.0, measured=False)
+def test_predictions_and_a_warm_start_are_trials_with_the_users_sizes(tmp_path):
+    s = make_searcher("tpe", POINTS, seed=0, url=sqlite(tmp_path))
+    predicted = record(BatchConfig(32, 2, 8), None, status="oom",
+                       reason="predicted: 9.1 GiB over 8.0 GiB")  # fmt: skip
+    s.add_predicted([predicted])
+    s.add_predicted([predicted])  # once each
+    s.teach(record(BatchConfig(32, 1, 8), 300.0, trial=4, trial_id="old"), "earlier, trial 4")
     oom, warm = study(tmp_path).trials
-    assert (oom.user_attrs["status"], oom.user_attrs["micro_batch_size"]) == ("oom", 4)
+    assert oom.state == PRUNED and oom.value is None
+    assert (oom.user_attrs["status"], oom.user_attrs["micro_batch_size"]) == ("oom", 8)
+    assert oom.user_attrs["reason"] == "predicted: 9.1 GiB over 8.0 GiB"
     assert "samples_per_s" not in oom.user_attrs  # not measured: left out, not null
-    assert warm.user_attrs == {
-        "batch_size": 32, "num_devices": 1, "micro_batch_size": 8,
-        "activation_checkpointing": False, "reshard_after_forward": True, "grad_sync": "last",
-        "grad_accum_steps": 4, "status": "ok",
-    }  # fmt: skip
+    assert warm.state == OK and warm.value == 300.0
+    assert warm.user_attrs["warm_start"] == "earlier, trial 4"
+    assert "trial" not in warm.user_attrs and "trial_id" not in warm.user_attrs  # not a row here
+    assert ledger(tmp_path).records() == [predicted]  # this run's: the prediction alone
 
 
-def test_a_result_the_study_was_told_before_a_kill_is_not_told_again(tmp_path):
-    # a killed driver told the study, then Ray's older state had the searcher read the
-    # row back from trials.csv on resume: the study keeps one trial of it
-    s = searcher(tmp_path)
-    attrs = {**record_attrs(record(BatchConfig(32, 1, 4), 300.0)), "trial_id": "a_00002"}
-    s.tell(BatchConfig(32, 1, 4), 300.0, measured=True, attrs=attrs)
-    s.tell(BatchConfig(32, 1, 4), 300.0, measured=True, attrs=attrs)
-    assert [t.user_attrs["trial_id"] for t in study(tmp_path).trials] == ["a_00002"]
+def test_the_study_catches_up_with_the_rows_a_killed_driver_could_not_tell_it(tmp_path):
+    s = make_searcher("grid", POINTS, seed=0, url=sqlite(tmp_path))
+    first = BatchConfig.from_mapping(s.suggest("t1"))
+    s.suggest("t2")  # in flight when the driver was killed
+    rows = [record(first, 50.0, trial_id="t1")]  # written to trials.csv, then the kill
+    # ...that caught the trial log between the trial's attributes and its tell
+    ledger(tmp_path).set_attrs(0, record_attrs(rows[0]))
+    assert ledger(tmp_path).catch_up(rows) == 1
+    assert ledger(tmp_path).catch_up(rows) == 0  # once
+    states = [(t.state, t.user_attrs["status"]) for t in study(tmp_path).trials]
+    assert states == [(FAIL, "interrupted"), (FAIL, "interrupted"), (OK, "ok")]
+    assert ledger(tmp_path).records() == rows  # the study and the ledger agree
 
 
 def test_an_interrupted_trial_is_failed_and_its_later_result_learnt(tmp_path):
-    s = searcher(tmp_path)
+    s = make_searcher("tpe", POINTS, seed=0, url=sqlite(tmp_path))
     params = s.suggest("t1")
-    s.suggest("t2")
-    s.on_trial_complete("t2", {"objective": 5.0, "status": "ok"})
-    assert fail_interrupted(sqlite(tmp_path)) == 1  # the driver stopped with t1 in flight
-    first = study(tmp_path).trials[0]
-    assert first.state == optuna.trial.TrialState.FAIL
-    assert first.user_attrs["status"] == "interrupted"
-    assert fail_interrupted(sqlite(tmp_path)) == 0
+    assert ledger(tmp_path).fail_interrupted() == 1  # the driver stopped with t1 in flight
+    assert ledger(tmp_path).fail_interrupted() == 0
     # the resumed run measures it: learnt as a trial of its own, the failed one kept
     config = BatchConfig.from_mapping(params)
-    s.on_trial_complete("t1", {"objective": 77.0, **record_attrs(record(config, 77.0))})
+    ledger(tmp_path).tell(record(config, 77.0, trial_id="t1"))
     trials = study(tmp_path).trials
-    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
-    assert trials[2].value == 77.0 and trials[2].user_attrs["samples_per_s"] == 77.0
-    # a trial told already (before a killed driver's last save) is not told twice
-    s.asked["t3"] = trials[1].number
-    s.on_trial_complete("t3", {"objective": 5.0, "status": "ok"})
-    assert len(study(tmp_path).trials) == 3
+    assert [t.state for t in trials] == [FAIL, OK]
+    assert trials[1].value == 77.0 and trials[1].user_attrs["samples_per_s"] == 77.0
 
 
-def test_a_run_without_a_study_is_left_alone(tmp_path):
-    optuna.storages.RDBStorage(sqlite(tmp_path))  # grid, halving, doubling, model: no study
-    assert fail_interrupted(sqlite(tmp_path)) == 0
-    publish_recommendation(sqlite(tmp_path), "line", confidence=1, target=90, trials=1)
-    assert optuna.get_all_study_names(sqlite(tmp_path)) == []
+def test_a_warm_start_reads_the_earlier_runs_study_and_a_run_without_one_its_rows(tmp_path):
+    from mbtune.search._run import measured
+
+    space = OptunaSpace(POINTS)
+    run = RunDir.create(tmp_path, "earlier")
+    rows = [record(BatchConfig(32, 1, 4), 300.0, trial=1, trial_id="a"),
+            record(BatchConfig(32, 2, 8), None, status="oom", trial=2, trial_id="b")]  # fmt: skip
+    for r in rows:
+        run.append_trial(r)
+    assert measured(run, space) == run.records()  # a run from before every run kept a study
+    assert not (run.path / "optuna.db").exists()  # read, not written: the run may be another's
+    study = SearchStudy.at(run.optuna_url, space)
+    for r in rows:
+        study.tell(r)
+    run.trials_file.write_text("")  # the study is what is read
+    assert measured(run, space) == rows
 
 
 def test_without_optuna_dashboard_the_recommendation_is_a_study_attribute(tmp_path, monkeypatch):
-    searcher(tmp_path)
     monkeypatch.setitem(sys.modules, "optuna_dashboard", None)  # not installed
-    publish_recommendation(sqlite(tmp_path), "mbtune 12:00:00  recommended micro_batch_size: 4",
-                           confidence=42, target=90, trials=3)  # fmt: skip
+    ledger(tmp_path).publish("mbtune 12:00:00  recommended micro_batch_size: 4",
+                             confidence=42, target=90, trials=3)  # fmt: skip
     attrs = study(tmp_path).user_attrs
     assert attrs == {"recommendation": "mbtune 12:00:00  recommended micro_batch_size: 4",
                      "confidence": 42, "trials": 3}  # fmt: skip
 
 
 @pytest.mark.ray
-def test_after_a_tpe_search_the_study_shows_the_users_trials_and_recommendation(
-    ray_session, tmp_path
+@pytest.mark.parametrize("sampler", ["model", "grid", "halving", "tpe"])
+def test_every_run_leaves_a_study_of_every_trial_its_attributes_and_its_recommendation(
+    ray_session, tmp_path, monkeypatch, sampler
 ):
+    from mbtune.search import _run
+
+    # the quickstart's lattice, replayed; m = 32 on one device predicted out of memory
+    def predict(exp, points, run, say):
+        oom = TrialRecord(trial=1, status="oom", batch_size=32, num_devices=1,
+                          micro_batch_size=32, reason="predicted: over the budget",
+                          objective=0.0)  # fmt: skip
+        run.append_trial(oom)
+        return [oom]
+
+    monkeypatch.setattr(_run, "predict_out_of_memory", predict)
     lines: list[str] = []
-    outcome = run_search(replay_experiment(tmp_path, sampler="tpe", num_samples=6),
-                         echo=lines.append)  # fmt: skip
+    exp = replay_experiment(tmp_path, sampler=sampler, num_samples=8)
+    outcome = run_search(exp, echo=lines.append)
     saved = optuna.load_study(study_name=STUDY_NAME, storage=outcome.run.optuna_url)
+    assert optuna.get_all_study_names(outcome.run.optuna_url) == [STUDY_NAME]
     trials = saved.get_trials(deepcopy=False)
-    assert trials and not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     for t in trials:
         assert {"batch_size", "num_devices", "micro_batch_size", "status"} <= set(t.user_attrs)
-    measured = [t for t in trials if t.user_attrs["status"] in ("ok", "oom", "error")]
-    by_row = {t.user_attrs["trial"]: t for t in measured}
-    for r in outcome.records:  # each row of trials.csv is a trial of the study, the same
-        t = by_row[r.trial]
-        assert (t.user_attrs["micro_batch_size"], t.user_attrs["status"]) == (
-            r.micro_batch_size, r.status)  # fmt: skip
-        assert t.user_attrs.get("samples_per_s") == r.samples_per_s
+    (oom,) = [t for t in trials if t.state == PRUNED]
+    assert oom.user_attrs["reason"] == "predicted: over the budget"
+    rows = {t.user_attrs["trial"]: t for t in trials if "trial" in t.user_attrs}
+    assert sorted(rows) == [r.trial for r in outcome.records]  # every row once, repeats too
+    # each the same trial, as trials.csv writes it (the study keeps each figure whole)
+    told = records_of(trials, OptunaSpace(search_points(exp)))
+    assert [r.to_row() for r in told] == [r.to_row() for r in outcome.records]
+    for r in outcome.records:
+        assert rows[r.trial].value == (None if r.predicted else r.objective)
     final = [line for line in lines if "recommended micro_batch_size:" in line][-1]
     assert saved.user_attrs["recommendation"] == final
     assert saved.user_attrs["confidence"] == outcome.summary["confidence"]
-    try:
-        from optuna_dashboard import get_note
-    except ImportError:
-        return
+    from optuna_dashboard import get_note
+
     assert final in get_note(saved)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_or_killed_tpe_run_leaves_no_trial_running_once_resumed(tmp_path, sig):
-    _, _, _, run = start_and_signal(tmp_path, sig, sampler="tpe", num_samples=8)
+@pytest.mark.parametrize(
+    ("sampler", "sig"),
+    [("tpe", signal.SIGTERM), ("tpe", signal.SIGKILL), ("model", signal.SIGKILL)],
+)
+def test_a_stopped_or_killed_run_leaves_no_trial_running_and_its_study_agrees_with_its_rows(
+    tmp_path, sampler, sig
+):
+    """The study is what a resumed search reads (the sampler's state, the budget, what was
+    measured): after a stop or a kill and the resume, it agrees with trials.csv, row for
+    row, and nothing in it is left running."""
+    code, _, _, run = start_and_signal(tmp_path, sig, sampler=sampler, num_samples=8)
     url = f"sqlite:///{run / 'optuna.db'}"
     if sig == signal.SIGTERM:  # the run ended itself: nothing left running already
         states = {t.state for t in optuna.load_study(study_name=STUDY_NAME, storage=url).trials}
         assert optuna.trial.TrialState.RUNNING not in states
+    else:
+        assert code == -signal.SIGKILL
+    before = RunDir(run).trials()
     done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    # Optuna's study (optuna.db) outlives a kill, told of trials Ray never saved: the
+    # resumed searcher must not tell it again ("Cannot tell a COMPLETE trial")
+    clean(done.stdout + done.stderr)
+    if sig == signal.SIGKILL:
+        resumed = [x for x in done.stdout.splitlines() if x.startswith("mbtune: resuming: ")]
+        assert resumed == [f"mbtune: resuming: {len(before)} trials finished"] or (
+            len(resumed) == 1 and resumed[0].endswith("interrupted, measured again")
+        ), done.stdout
+    after = RunDir(run).trials()
+    assert after[: len(before)] == before
+    first = [(r["num_devices"], r["micro_batch_size"]) for r in after if r["repeat"] == "0"]
+    assert len(first) == len(set(first))  # no configuration first-measured twice
+    assert len(after) <= 8  # the budget, though Ray's saved state knew fewer trials
     trials = optuna.load_study(study_name=STUDY_NAME, storage=url).trials
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     assert all("status" in t.user_attrs for t in trials)
@@ -189,3 +241,42 @@ def test_a_stopped_or_killed_tpe_run_leaves_no_trial_running_once_resumed(tmp_pa
     told = [t.user_attrs["trial"] for t in told_trials]
     assert sorted(told) == [r.trial for r in rows]
     assert {t.user_attrs["trial_id"] for t in told_trials} == {r.trial_id for r in rows}
+    # one record of what was measured: the study's, written as trials.csv writes it
+    exp = load_run_experiment(run)
+    measured = records_of(trials, OptunaSpace(search_points(exp)))
+    assert [r.to_row() for r in measured] == [r.to_row() for r in rows]
+
+
+@pytest.mark.ray
+def test_the_model_sampler_in_a_study_of_your_own_recommends_what_mbtune_run_does(
+    ray_session, tmp_path
+):
+    """docs/search.md's example: a plain Optuna study, the model sampler, your own
+    objective (here the replay table, measured with the trial's Python API)."""
+    from mbtune.search import ModelSampler, RecommendAndStop
+    from mbtune.trial.trial import trial_metrics
+
+    exp = replay_experiment(tmp_path)  # the default sampler, model
+    outcome = run_search(exp, echo=lambda line: None)
+
+    sampler = ModelSampler.for_experiment(exp)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+
+    def objective(trial: optuna.Trial) -> float:
+        config = sampler.configuration(trial)
+        result = trial_metrics(exp, config, repeat=trial.user_attrs["repeat"])
+        for key in ("status", "samples_per_s", "step_times_ms", "micro_batch_sizes_tried"):
+            trial.set_user_attr(key, result[key])
+        return result["objective"]
+
+    study.optimize(objective, n_trials=exp.search.num_samples,
+                   callbacks=[RecommendAndStop(sampler)])  # fmt: skip
+    ran = [BatchConfig.from_mapping(t.user_attrs) for t in study.trials]
+    assert ran == [r.config for r in outcome.records]  # the same trials, in the same order
+    recommended = outcome.summary["recommended"]
+    line = study.user_attrs["recommendation"]
+    assert line.endswith(f"confidence score: {outcome.summary['confidence']} (out of 100)")
+    assert (
+        f"micro_batch_size: {recommended['micro_batch_size']} (num_devices: "
+        f"{recommended['num_devices']}, batch_size: {recommended['batch_size']}" in line
+    )

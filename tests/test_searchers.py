@@ -8,17 +8,20 @@ from ray.tune.search import Searcher
 from mbtune.lattice import BatchConfig, enumerate_configs
 from mbtune.recommend.confidence import OPEN_CHANCE, SearchModel
 from mbtune.recommend.observation import Observation
+from mbtune.runs.record import TrialRecord
 from mbtune.search import (
     METRIC,
     RIVAL_MATERIAL,
-    GridSearcher,
+    LatticeGridSampler,
     MbtuneSearcher,
     make_searcher,
 )
+from mbtune.search._samplers import Proposal
 
 
-def drive(searcher, value_of, limit=100):
-    """Suggest and complete one trial at a time; return the configurations measured."""
+def drive(searcher, value_of, limit=100, status=None):
+    """Suggest and complete one trial at a time; return the configurations measured.
+    ``status(value)``: the status each trial reports (default none: an error to the model)."""
     measured = []
     for i in range(limit):
         params = searcher.suggest(f"t{i}")
@@ -29,7 +32,9 @@ def drive(searcher, value_of, limit=100):
             params["batch_size"], params["num_devices"], params["micro_batch_size"]
         )
         measured.append(config)
-        searcher.on_trial_complete(f"t{i}", {METRIC: value_of(config), **params})
+        value = value_of(config)
+        said = {"status": status(value)} if status else {}
+        searcher.on_trial_complete(f"t{i}", {METRIC: value, **said, **params})
     raise AssertionError("the search never finished")
 
 
@@ -82,25 +87,31 @@ def test_same_split_is_one_measurement_reported_with_the_canonical_size():
     assert [c.micro_batch_size for c in measured] == [1, 2, 3, 4, 8]
 
 
-class Repeating(GridSearcher):
-    """A proposer that keeps proposing the first point: the cache must answer it."""
+class Repeating(LatticeGridSampler):
+    """A sampler that keeps proposing the first point: the cache must answer it."""
 
-    def next_point(self):
-        return self.points[0]
+    def propose(self, h):
+        return Proposal(self.points[0])
 
 
 def test_repeated_proposals_are_answered_from_the_cache_and_the_search_ends():
-    inner = Repeating(POINTS)
-    searcher = MbtuneSearcher(inner, SearchModel(tuple(POINTS)))
+    searcher = MbtuneSearcher(Repeating(POINTS), SearchModel(tuple(POINTS)))
     measured = drive(searcher, speed)
     assert measured == [POINTS[0]]
-    assert inner.values[POINTS[0]] == speed(POINTS[0])  # the repeats were told the value
+    cached = [t for t in searcher.study.trials() if t.user_attrs["status"] == "cached"]
+    assert cached and {t.value for t in cached} == {speed(POINTS[0])}  # told the value
 
 
-def test_warm_start_points_are_never_measured_again():
+def row(i, c, value, **more):
+    """A finished trial as trials.csv's record of it."""
+    return TrialRecord(trial=i, trial_id=f"x{i}", status="ok" if value else "oom",
+                       objective=value, **c.sizes(), **more)  # fmt: skip
+
+
+def test_what_the_study_holds_is_never_measured_again():
     searcher = make_searcher("grid", POINTS, seed=0)
-    for c in POINTS[:5]:
-        searcher.add_measured(c, speed(c))
+    for i, c in enumerate(POINTS[:5], start=1):  # measured before the driver stopped
+        searcher.study.add(row(i, c, speed(c)))
     assert drive(searcher, speed) == sorted(POINTS)[5:]
 
 
@@ -153,17 +164,17 @@ def test_start_points_are_measured_first_and_taught_to_the_sampler():
     measured = drive(searcher, speed)
     assert measured[:2] == first
     assert sorted(measured) == sorted(POINTS)
-    assert len(searcher.inner.study.trials) >= len(POINTS)
+    assert len(searcher.study.trials()) >= len(POINTS)
 
 
 def test_warm_start_teaches_optuna_without_skipping_anything():
     searcher = make_searcher("tpe", POINTS, seed=0)
-    for c in POINTS[:4]:
-        searcher.tell(c, speed(c))
-    assert len(searcher.inner.study.trials) == 4  # Optuna learnt them
+    for i, c in enumerate(POINTS[:4], start=1):
+        searcher.teach(row(i, c, speed(c)), f"earlier, trial {i}")
+    assert len(searcher.study.trials()) == 4  # Optuna learnt them
     assert sorted(drive(searcher, speed)) == sorted(POINTS)  # and every point is measured here
     grid = make_searcher("grid", POINTS, seed=0)
-    grid.tell(POINTS[0], 1.0)
+    grid.teach(row(1, POINTS[0], 1.0))
     assert drive(grid, speed) == sorted(POINTS)  # a baseline is not taught by a warm start
 
 
@@ -407,7 +418,8 @@ def test_a_device_count_never_measured_is_a_rival_until_it_is_measured():
     assert a.open_points and all(c.num_devices != 8 for c in a.open_points)
     # the search measures another device count next, with the leader's micro-batch
     searcher = make_searcher("model", points, seed=0, noise_floor=0.035)
-    searcher.observations = list(on_8)
+    for i, o in enumerate(on_8, start=1):
+        searcher.study.add(row(i, o.config, o.value, step_times_ms=o.step_times_ms))
     params = searcher.suggest("t0")
     c = BatchConfig.from_mapping(params)
     assert c.num_devices == 4 and c.micro_batch_size == a.recommended.micro_batch_size
@@ -451,3 +463,29 @@ def test_every_way_a_search_ends_is_one_sentence():
                             "(search.max_repeats 5)")  # fmt: skip
     never = say(status="finished", measured=6, target=100)
     assert never.endswith("(search.confidence_target 100: it never stops on confidence)")
+
+
+@pytest.mark.parametrize("sampler", ["model", "grid", "halving", "doubling"])
+def test_each_sampler_proposes_in_a_plain_optuna_study_what_the_search_measures(sampler):
+    """mbtune's samplers are Optuna samplers: in a study of your own, with your objective,
+    they propose what `mbtune run`'s searcher measures, in the same order."""
+    import optuna
+
+    from mbtune.search._samplers import make_sampler
+
+    def status(value):
+        return "ok" if value else "oom"
+
+    expected = drive(make_searcher(sampler, POINTS, seed=0), speed, status=status)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    proposer = make_sampler(sampler, SearchModel(tuple(sorted(POINTS))), seed=0)
+    study = optuna.create_study(direction="maximize", sampler=proposer)
+
+    def objective(trial):
+        value = speed(proposer.configuration(trial))
+        trial.set_user_attr("status", status(value))
+        return value
+
+    study.optimize(objective, n_trials=len(expected))
+    assert [BatchConfig.from_mapping(t.user_attrs) for t in study.trials] == expected
+    assert [t.user_attrs["repeat"] for t in study.trials] == [0] * len(expected)

@@ -1,5 +1,6 @@
-"""The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed by Optuna
-or by the search model, and reported on as they finish.
+"""The search: a Ray Tune ``Tuner`` whose trials run the trial engine, proposed in the
+run's Optuna study by an Optuna sampler (the search model's, :class:`ModelSampler`, by
+default), and reported on as they finish.
 
 Each trial runs in a process of its own (mbtune.trial.launch), started by the Ray trial actor,
 so an out-of-memory, a crash, a hang or a poisoned CUDA context in one trial cannot touch
@@ -8,34 +9,45 @@ ddp`` the trial actor instead fits a Ray Train run whose workers, one process pe
 device, are that trial's own (see mbtune.trial.ddp).
 
 The package's parts, private behind this surface: ``_run`` (the Tuner, resume, warm
-start), ``_searcher`` (what Tune asks for the next trial: proposals, the cache, another
-look), ``_proposers`` (Optuna's ask-and-tell and the baselines), ``_ledger`` (a finished
-trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and SIGTERM),
-``_study`` (the run's Optuna study as optuna-dashboard shows it).
+start), ``_searcher`` (what Tune asks for the next trial: the study asked, the cache,
+another look), ``_samplers`` (the Optuna samplers: the search model's, the baselines',
+Optuna's own), ``_space`` (the lattice as Optuna's parameters), ``_history`` (the study
+read as the search reads it), ``_stopping`` (another look, the stop), ``_ledger`` (a
+finished trial's row, line and recommendation; when to stop), ``_signals`` (Ctrl-C and
+SIGTERM), ``_study`` (the run's Optuna study, which every run keeps and every sampler
+reads).
 
 May import: every room below it (mbtune, errors, lattice, config, runs, trial, report,
 recommend, progress, cluster); never torch (a test checks the driver).
 """
 
 from mbtune.search._ledger import ConfidenceStop, TrialLog, print_line
-from mbtune.search._proposers import (
-    METRIC,
-    DoublingSearcher,
-    GridSearcher,
-    HalvingSearcher,
-    OptunaSearcher,
-    OptunaSpace,
-)
 from mbtune.search._run import (
     SearchOutcome,
     resume_search,
     run_search,
-    search_points,
     start_ray,
     trial_resources,
 )
-from mbtune.search._searcher import MbtuneSearcher, make_searcher, pack_result, unpack_result
+from mbtune.search._samplers import (
+    DoublingSampler,
+    HalvingSampler,
+    LatticeGridSampler,
+    LatticeSampler,
+    ModelSampler,
+    RecommendAndStop,
+    search_model,
+    search_points,
+)
+from mbtune.search._searcher import (
+    METRIC,
+    MbtuneSearcher,
+    make_searcher,
+    pack_result,
+    unpack_result,
+)
 from mbtune.search._signals import graceful_stop
+from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import (
     RIVAL_ACROSS,
     RIVAL_MATERIAL,
@@ -50,12 +62,14 @@ __all__ = [
     "RIVAL_ACROSS",
     "RIVAL_MATERIAL",
     "ConfidenceStop",
-    "DoublingSearcher",
-    "GridSearcher",
-    "HalvingSearcher",
+    "DoublingSampler",
+    "HalvingSampler",
+    "LatticeGridSampler",
+    "LatticeSampler",
     "MbtuneSearcher",
-    "OptunaSearcher",
+    "ModelSampler",
     "OptunaSpace",
+    "RecommendAndStop",
     "SearchOutcome",
     "TrialLog",
     "another_look",
@@ -66,6 +80,7 @@ __all__ = [
     "print_line",
     "resume_search",
     "run_search",
+    "search_model",
     "search_points",
     "settled",
     "start_ray",

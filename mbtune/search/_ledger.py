@@ -1,6 +1,6 @@
-"""What a finished trial becomes: a trials.csv row, a line of the stream, the next
-recommendation; and when the search may stop. Ray Tune callbacks (they run in the
-driver, one trial at a time).
+"""What a finished trial becomes: a trials.csv row, a trial of the run's Optuna study, a
+line of the stream, the next recommendation; and when the search may stop. Ray Tune
+callbacks (they run in the driver, one trial at a time).
 
 A finished trial becomes one TrialRecord (mbtune.runs.record), built once from what the
 trial reported, kept in memory and written as its row; trials.csv is read back (by
@@ -29,8 +29,9 @@ from mbtune.report import trial_line
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, TRIAL_COLUMNS, RunDir
 from mbtune.search._searcher import unpack_result
+from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import settled
-from mbtune.search._study import publish_recommendation
+from mbtune.search._study import SearchStudy
 
 __all__ = [
     "LEDGER_LOCK",
@@ -79,11 +80,13 @@ class TrialLog(Callback):
         self._history: list[dict[str, Any]] | None = []
         self._nodes: Any = None
         """The TrialNodes actor (held: Ray ends an actor nobody holds); None before setup."""
+        self._study: SearchStudy | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune saves the callbacks with its state; a resumed search reads the records back
         # from the run directory, which holds every trial finished since that save too
-        return {**self.__dict__, "_rows": None, "_history": None, "_nodes": None}
+        return {**self.__dict__, "_rows": None, "_history": None, "_nodes": None,
+                "_study": None}  # fmt: skip
 
     def setup(self, **info):
         # Tune calls it as a search starts or resumes, before any trial
@@ -93,6 +96,13 @@ class TrialLog(Callback):
         if self._rows is None or self._history is None:  # restored: read the run back
             self._rows, self._history = self.run.records(), self.run.recommendations()
         return self._rows, self._history
+
+    def study(self) -> SearchStudy:
+        """The run's Optuna study, which it tells each finished trial after its row."""
+        if getattr(self, "_study", None) is None:  # None too where restored from an older run
+            self._study = SearchStudy.at(self.run.optuna_url,
+                                         OptunaSpace(self.reporter.model.points))  # fmt: skip
+        return self._study
 
     @property
     def rows(self) -> list[TrialRecord]:
@@ -120,16 +130,18 @@ class TrialLog(Callback):
             row = self._record(trial, result, crashed)
             if row is None:
                 return
+            # the study after the row: a driver killed between the two leaves the study a
+            # row short, which it catches up with on --resume (SearchStudy.catch_up)
+            mixes = {"mixes_batch": True} if (result or {}).get("mixes_batch") else {}
+            self.study().tell(row, crashed=crashed, **mixes)
             self.echo(trial_line(row))
             rec = self.reporter.update(self.rows, self.history)
             if rec is not None:
                 self.run.append_recommendation(rec.record())
                 self.history.append(rec.record())
                 self.echo(rec.line())
-                publish_recommendation(
-                    self.run.optuna_url, rec.line(), confidence=rec.confidence,
-                    target=self.target, trials=len(self.rows),
-                )  # fmt: skip
+                self.study().publish(rec.line(), confidence=rec.confidence,
+                                     target=self.target, trials=len(self.rows))  # fmt: skip
                 self.settled = settled_after(
                     self.reporter, self.rows, target=self.target, max_repeats=self.max_repeats
                 )

@@ -9,6 +9,7 @@ process per device, are that trial's own (see mbtune.trial.ddp).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -40,10 +41,12 @@ from mbtune.search._ledger import (
     print_line,
     tell_node,
 )
+from mbtune.search._samplers import search_model, search_points
 from mbtune.search._searcher import make_searcher, pack_result
 from mbtune.search._signals import graceful_stop
+from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import end_reason, one_look_reason, settled
-from mbtune.search._study import fail_interrupted, record_attrs
+from mbtune.search._study import STUDY_NAME, SearchStudy, records_of
 from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
 from mbtune.trial.screen import Screening, screen
 from mbtune.trial.trial import TrialRequest
@@ -51,18 +54,13 @@ from mbtune.trial.trial import TrialRequest
 __all__ = [
     "RAY_DIR",
     "SearchOutcome",
+    "measured",
     "predict_out_of_memory",
     "resume_search",
     "run_search",
-    "search_points",
     "start_ray",
     "trial_resources",
 ]
-
-
-def search_points(exp: Experiment) -> list[BatchConfig]:
-    """The distinct measurements of the experiment's space (canonical micro-batch sizes)."""
-    return sorted({c.canonical() for c in exp.configs()})
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ def run_search(
     try:
         run.write_experiment(exp.to_dict())
         s = exp.search
-        model = _model_for(exp, points)
+        model = search_model(exp, points)
         # what Ray pickles names the directory whole: a resume may start anywhere
         kept = RunDir(run.path.absolute())
         searcher = _searcher_for(exp, model, kept, say)
@@ -166,7 +164,7 @@ def resume_search(
         (run.path / SUMMARY_FILE).unlink(missing_ok=True)  # the run goes on: no end to read yet
         cluster = start_ray(exp, address, dashboard, verbose, print_line)
         print_line(f"mbtune: resuming {run.path}")  # the searcher says what it kept, once restored
-        reporter = _reporter_for(exp, _model_for(exp, search_points(exp)))
+        reporter = _reporter_for(exp, search_model(exp))
         # the searcher, the callbacks and the stopper come back with Ray's saved state; they
         # read what finished since from the run directory
         tuner = tune.Tuner.restore(
@@ -196,7 +194,10 @@ def _fit(
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for a Ctrl-C
         return True
 
-    fail_interrupted(run.optuna_url)  # a trial a killed driver left running in the study
+    # the study catches up with trials.csv (the rows a killed driver could not tell it)
+    # and fails what a killed driver left running
+    study = SearchStudy.at(run.optuna_url, OptunaSpace(search_points(exp)))
+    study.catch_up(run.records())
     with (
         graceful_stop() as interrupted,
         watch_head(cluster, lost),
@@ -208,7 +209,7 @@ def _fit(
         started = time.monotonic()
         tuner.fit()
         elapsed_s = time.monotonic() - started
-    fail_interrupted(run.optuna_url)  # one in flight when the search was stopped
+    study.fail_interrupted()  # one in flight when the search was stopped
     records, history = run.records(), run.recommendations()
     target = exp.search.confidence_target
     a = reporter.assess(records)
@@ -300,16 +301,6 @@ def _predicted_record(exp: Experiment, config: BatchConfig, reason: str, trial: 
     })  # fmt: skip
 
 
-def _model_for(exp: Experiment, points: list[BatchConfig]) -> SearchModel:
-    """The one search model of the run: the searcher proposes with it, the reporter
-    scores with it."""
-    s = exp.search
-    return SearchModel(
-        tuple(points), exp.noise_floor, s.objective == "samples_per_s", s.seed,
-        s.confidence_target, s.max_repeats, exp.trial.sharding == "fsdp",
-    )  # fmt: skip
-
-
 def _searcher_for(exp: Experiment, model: SearchModel, run: RunDir, say: Any) -> Any:
     s = exp.search
     return make_searcher(
@@ -317,7 +308,7 @@ def _searcher_for(exp: Experiment, model: SearchModel, run: RunDir, say: Any) ->
         model.points,
         seed=s.seed,
         model=model,
-        storage=_optuna_storage(run),
+        url=run.optuna_url,
         start_points=s.start_points,
         ledger=run.trials_file,
         target=s.confidence_target,
@@ -392,26 +383,36 @@ def _is_ddp(exp: Experiment) -> bool:
 
 
 def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -> int:
-    """Teach the sampler an earlier run's results (they are not counted as measured here)."""
+    """Teach the sampler an earlier run's results, as its study holds them (they are not
+    counted as measured here)."""
     space = set(points)
     told = 0
-    for record in earlier.records():
+    for record in measured(earlier, OptunaSpace(points)):
         config = record.config.canonical()
         if config not in space:
             continue
         speed = float(record.samples_per_s or 0.0) if record.status == "ok" else 0.0
         if exp.search.objective == "samples_per_s_per_device":
             speed /= config.num_devices
-        earlier_trial = f"warm start: {earlier.path.name}, trial {record.trial}"
-        searcher.tell(config, speed, attrs={**record_attrs(record), "trial": earlier_trial})
+        searcher.teach(dataclasses.replace(record, objective=speed),
+                       f"{earlier.path.name}, trial {record.trial}")  # fmt: skip
         told += 1
     return told
 
 
-def _optuna_storage(run: RunDir) -> Any:
+def measured(run: RunDir, space: OptunaSpace) -> list[TrialRecord]:
+    """What ``run`` measured, read from its study, in the order it learnt it; from its
+    trials.csv where it kept none (a run from before every run kept a study). Read only:
+    the run may be another's."""
     import optuna
 
-    return optuna.storages.RDBStorage(run.optuna_url)
+    if not (run.path / "optuna.db").exists():
+        return run.records()
+    try:
+        study = optuna.load_study(study_name=STUDY_NAME, storage=run.optuna_url)
+    except KeyError:
+        return run.records()
+    return records_of(study.get_trials(deepcopy=False), space)
 
 
 # ---------------------------------------------------------------------------
