@@ -22,8 +22,18 @@ collectives move nothing), the measured peak `max_memory_allocated`. It includes
 Llama `mbtune init --model hf:llama --device cuda` writes (seq_len 64, bf16), which no
 single GPU holds unsharded.
 
+`--blocks` (issue 41): the prediction from a few of the model's repeated blocks (the
+default, mbtune.trial.blocks) against the whole-model trace it replaces (``whole=True``),
+in this process: gpt, hf:gpt2, hf:llama and hf:qwen2 of 8 layers, five configurations each
+(one device; sharded over 2 on a card, bf16; sharded over 4 with ``grad_sync: every``;
+activation checkpointing; 2 ddp workers, bf16), and with ``--large`` once the 12B
+Qwen2 (``hf:qwen2``, its config's defaults, seq_len 128) that ``mbtune init --model
+hf:qwen2 --device cuda`` sizes, sharded over 8 at micro_batch_size 1; each with both
+predictions' seconds. The target is within 5%.
+
 Run: `.venv/bin/python bench/memory_prediction.py [--baseline] [--quick]` (`--quick`:
-the 7B cost alone); `python3 bench/memory_prediction.py --cuda` on a CUDA machine.
+the 7B cost alone); `python3 bench/memory_prediction.py --cuda` on a CUDA machine;
+`.venv/bin/python bench/memory_prediction.py --blocks [--large]`.
 """
 
 from __future__ import annotations
@@ -183,14 +193,74 @@ def baseline(cwd: str) -> dict[str, int]:
     return peaks
 
 
+_SMALL = {"seq_len": 64, "vocab_size": 512}
+_BLOCK_MODELS = {
+    "gpt": {"name": "gpt", "n_layer": 8, "n_head": 4, "d_model": 128, **_SMALL},
+    "hf:gpt2": {"name": "hf:gpt2", "n_layer": 8, "n_embd": 128, "n_head": 4, **_SMALL},
+    **{name: {"name": name, "num_hidden_layers": 8, "hidden_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+              **_SMALL} for name in ("hf:llama", "hf:qwen2")},
+}  # fmt: skip
+_BLOCK_CASES = [
+    ("one device", {}, (16, 1, 4), {}),
+    ("fsdp/2 cuda bf16", {"parallel": "ddp", "sharding": "fsdp", "device": "cuda"}, (16, 2, 2), {}),
+    ("fsdp/4 every", {"parallel": "ddp", "sharding": "fsdp"}, (16, 4, 1), {"grad_sync": "every"}),
+    ("checkpointing", {}, (16, 1, 8), {"activation_checkpointing": True}),
+    ("ddp/2 bf16", {"parallel": "ddp", "precision": "bf16"}, (16, 2, 4), {}),
+]  # fmt: skip
+
+
+def blocks(large: bool) -> list[dict[str, Any]]:
+    """Each model and configuration predicted from a few blocks and from all of them."""
+    from mbtune.config.load import parse_experiment
+    from mbtune.lattice import BatchConfig
+    from mbtune.trial.predict import predict_memory
+
+    cases = [(name, *case) for name in _BLOCK_MODELS for case in _BLOCK_CASES]
+    if large:
+        sharded = {"parallel": "ddp", "sharding": "fsdp", "device": "cuda"}
+        cases.append(("hf:qwen2 12B", "fsdp/8 cuda bf16", sharded, (32, 8, 1), {}))
+    rows = []
+    for name, label, trial, (b, n, m), settings in cases:
+        model = _BLOCK_MODELS.get(name) or {"name": "hf:qwen2", "seq_len": 128}
+        exp = parse_experiment({"name": "blocks", "model": model, "train_input": {"batch_size": b},
+                                "trial": {"compile": False, **trial}})  # fmt: skip
+        config = BatchConfig(b, n, m, **settings)
+        t0 = time.perf_counter()
+        few = predict_memory(exp, config)
+        t1 = time.perf_counter()
+        whole = predict_memory(exp, config, whole=True)
+        t2 = time.perf_counter()
+        rows.append({"model": name, "configuration": label, "num_parameters": few.num_parameters,
+                     "blocks_bytes": few.peak_memory_bytes, "whole_bytes": whole.peak_memory_bytes,
+                     "ratio": few.peak_memory_bytes / whole.peak_memory_bytes,
+                     "blocks_s": t1 - t0, "whole_s": t2 - t1,
+                     "blocks": few.as_dict(), "whole": whole.as_dict()})  # fmt: skip
+        r = rows[-1]
+        print(f"{name} {label}: {r['ratio']:.4f} ({r['blocks_s']:.1f} s / {r['whole_s']:.1f} s)",
+              flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", action="store_true", help="measure the baselines too")
     parser.add_argument("--quick", action="store_true", help="the 7B cost alone")
     parser.add_argument("--cuda", action="store_true", help="sharded, on the CUDA card here")
+    parser.add_argument("--blocks", action="store_true", help="a few blocks against the whole")
+    parser.add_argument("--large", action="store_true", help="with --blocks: the 12B Qwen2 too")
     args = parser.parse_args()
     info = machine()
     data: dict[str, Any] = {}
+    if args.blocks:
+        data["blocks"] = rows = blocks(args.large)
+        print(table(
+            ["model", "configuration", "blocks MiB", "whole MiB", "ratio", "blocks s", "whole s"],
+            [[r["model"], r["configuration"], r["blocks_bytes"] / MIB, r["whole_bytes"] / MIB,
+              r["ratio"], r["blocks_s"], r["whole_s"]] for r in rows],
+        ))  # fmt: skip
+        print(f"\nwrote {save('memory_prediction.blocks', info, data).relative_to(ROOT)}")
+        return
     if args.cuda:
         import torch
 

@@ -53,7 +53,7 @@ def size_starter(exp: Experiment) -> Sizing:
         trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if sharded else tr
         inputs = dataclasses.replace(t, num_devices=n)
         at = dataclasses.replace(exp, trial=trial, train_input=inputs)
-        p = predict_memory(at, BatchConfig(t.batch_size, n, 1))
+        p = predict_memory(at, BatchConfig(t.batch_size, n, 1), spec=spec)  # built once
         if p.peak_memory_bytes <= usable:
             break
         if n >= MAX_STARTER_DEVICES:
