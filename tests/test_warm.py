@@ -122,7 +122,8 @@ def test_a_process_with_threads_may_not_fork():
 
 def test_a_parent_that_may_not_fork_leaves_the_trials_cold(tmp_path, monkeypatch, capsys):
     (tmp_path / "threaded.py").write_text(
-        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
     )
     preload = preload_modules
     monkeypatch.setattr(launch, "preload_modules", lambda exp: (*preload(exp), "threaded"))
