@@ -686,3 +686,11 @@ def test_a_pick_is_as_sure_as_the_draws_that_give_its_intervals():
     assert 40 < row.confidence < 90  # two within noise of each other: not sure
     draws[b] = draws[b] + 0.5  # far slower in every draw: sure
     assert _best_row(model, [a, b], PlanConfig(samples=1e6), None).confidence == 99
+
+
+def test_a_plan_of_a_single_draw_is_its_point_estimate(tmp_path):
+    """draws=1 (or 0): no spread to weigh the prior by; the plan still stands."""
+    run = exact_run(tmp_path, micro={"min": 1, "max": 16})
+    for draws in (0, 1):
+        row = plan_of(run, draws=draws).rows[0]
+        assert row.samples_per_s.low <= row.samples_per_s.value <= row.samples_per_s.high

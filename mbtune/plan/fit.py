@@ -370,7 +370,7 @@ def _with_prior(
         return prior, 1.0  # a prior held exactly (uncertainty 0)
     evidence = [
         share * math.exp(-0.5 * gap**2 / total) / math.sqrt(total)
-        for share, total in ((PRIOR_HOLDS, fit_var + prior_var),
+        for share, total in ((PRIOR_HOLDS, max(fit_var + prior_var, 1e-12)),
                              (1 - PRIOR_HOLDS, fit_var + _ANYTHING_SD**2))
     ]  # fmt: skip
     held = evidence[0] / sum(evidence)
