@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 RAY_GROUP = "ray"
+GATE_HOOK = Path(__file__).with_name("gate_hook")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -52,12 +55,41 @@ def _module_fixtures(item: pytest.Item) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(tmp_path_factory):
+    """The session's Ray. Its processes, and so the trial processes of every search on it,
+    import tests/gate_hook: the session's trial gate (tests/trial_gate.py), open until a
+    test closes it (the tests of this Ray run one at a time, on one worker)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    global _SESSION_GATE
+    _SESSION_GATE = tmp_path_factory.mktemp("ray-gate")
+    # Ray's processes keep the environment they start with; this process, its own
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(GATE_HOOK), prepend=os.pathsep)
+        env.setenv("MBTUNE_TEST_GATE", str(_SESSION_GATE))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)  # fmt: skip
     yield ray
     ray.shutdown()
+
+
+_SESSION_GATE: Path | None = None
+
+
+@dataclass(frozen=True)
+class SharedRay:
+    """The session's Ray as a command joins it (``mbtune run --address``), and its gate."""
+
+    address: str
+    gate: Path
+
+
+@pytest.fixture
+def shared_ray(ray_session) -> SharedRay:
+    """For a search run as a command where an embedded Ray's start-up is not what is tested:
+    it joins the session's Ray (``--address``) instead of starting one of its own."""
+    assert _SESSION_GATE is not None
+    return SharedRay(ray_session.get_runtime_context().gcs_address, _SESSION_GATE)
 
 
 # -- what the light modules import ------------------------------------------------------

@@ -11,11 +11,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 from test_search import TABLE
 from trial_gate import TrialGate
+
+if TYPE_CHECKING:
+    from conftest import SharedRay
 
 MBTUNE = Path(sys.executable).with_name("mbtune")
 
@@ -37,14 +41,17 @@ def experiment(tmp_path: Path, **search) -> Path:
     return path
 
 
-def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3, **search):
+def start_and_signal(
+    tmp_path: Path, sig: int, after_rows: int = 3, ray: SharedRay | None = None, **search
+):
     """Start `mbtune run`, send ``sig`` once ``after_rows`` trials are in trials.csv and
     the next one holds at the gate (0: as soon as the run directory exists, during
     start-up): the first ``after_rows`` trials pass it, so that the search cannot have
-    moved on, or finished, between the poll and the signal."""
-    gate = TrialGate(tmp_path / "gate", passes=after_rows)
+    moved on, or finished, between the poll and the signal. ``ray``: the session's Ray,
+    which the search joins, else it starts an embedded Ray of its own."""
+    gate = TrialGate(ray.gate if ray else tmp_path / "gate", passes=after_rows)
     proc = subprocess.Popen(
-        [MBTUNE, "run", str(experiment(tmp_path, **search))],
+        [MBTUNE, "run", str(experiment(tmp_path, **search)), *joining(ray)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gate.env(),
     )  # fmt: skip
     try:
@@ -68,6 +75,11 @@ def start_and_signal(tmp_path: Path, sig: int, after_rows: int = 3, **search):
     return proc.returncode, out, err, runs[0].parent
 
 
+def joining(ray: SharedRay | None) -> list[str]:
+    """The arguments of a command that joins the session's Ray (none: an embedded Ray)."""
+    return ["--address", ray.address] if ray else []
+
+
 def rows(run: Path) -> list[dict]:
     from mbtune.runs.rundir import RunDir
 
@@ -79,9 +91,9 @@ def clean(output: str) -> None:
     assert "Traceback" not in output and " ERROR " not in output, output[-3000:]
 
 
-def resume_and_check(run: Path, before: list[dict]) -> None:
-    done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+def resume_and_check(run: Path, before: list[dict], ray: SharedRay | None = None) -> None:
+    done = subprocess.run([MBTUNE, "run", "--resume", str(run), *joining(ray)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     clean(done.stdout + done.stderr)
     after = rows(run)
@@ -183,21 +195,19 @@ def recomputed(run: Path) -> dict | None:
     return Reporter(model).summary(RunDir(run).records(), "finished")["recommended"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("after_rows", KILL_SCHEDULE)
-def test_a_driver_killed_at_a_scheduled_point_resumes_to_the_same_answer(tmp_path, after_rows):
-    """A killed driver loses no finished trial and leaves no summary; while another
-    process holds the run directory a second writer is refused; the resume completes the
-    search, to the answer its trials give."""
-    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, after_rows=after_rows)
+def killed_at(tmp_path: Path, after_rows: int, ray: SharedRay | None = None) -> None:
+    """A driver SIGKILLed after ``after_rows`` trials loses no finished trial and leaves no
+    summary; while another process holds the run directory a second writer is refused; the
+    resume completes the search, to the answer its trials give."""
+    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, after_rows=after_rows, ray=ray)
     assert code == -signal.SIGKILL
     before = rows(run)
     assert len(before) == after_rows  # what had finished was on disk when the kill came
     assert not (run / "summary.json").exists()
     if not (run / "ray").exists():  # killed before Ray saved anything: nothing to resume
         assert before == []
-        done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        done = subprocess.run([MBTUNE, "run", "--resume", str(run), *joining(ray)],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
         # killed before experiment.yaml or before Ray's state: one line says which
         errors = [line for line in done.stderr.splitlines() if line.startswith("mbtune: error:")]
         assert done.returncode == 2 and len(errors) == 1, done.stderr
@@ -205,6 +215,25 @@ def test_a_driver_killed_at_a_scheduled_point_resumes_to_the_same_answer(tmp_pat
         return
     second_writer_is_refused(run)
     # the holder was SIGKILLed: its lock is gone, and the resume completes the search
-    resume_and_check(run, before)  # nothing lost, nothing measured twice, no traceback
+    resume_and_check(run, before, ray)  # nothing lost, nothing measured twice, no traceback
     summary = json.loads((run / "summary.json").read_text())
     assert recomputed(run) == summary["recommended"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(0 not in KILL_SCHEDULE, reason="the schedule has no kill during start-up")
+def test_a_driver_killed_during_start_up_at_its_scheduled_point_leaves_a_resumable_run(tmp_path):
+    """The schedule's point 0: killed during start-up, its embedded Ray's included."""
+    killed_at(tmp_path, 0)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("after_rows", [p for p in KILL_SCHEDULE if p > 0])
+def test_a_driver_killed_at_a_scheduled_point_resumes_to_the_same_answer(
+    shared_ray, tmp_path, after_rows
+):
+    """The schedule's points past start-up, on the session's Ray (the kill and the resume
+    are the subject, not an embedded Ray's start-up: the SIGTERM test and point 0 have
+    that)."""
+    killed_at(tmp_path, after_rows, shared_ray)

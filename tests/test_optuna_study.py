@@ -10,7 +10,7 @@ import sys
 
 import optuna
 import pytest
-from test_interrupts import MBTUNE, clean, start_and_signal
+from test_interrupts import MBTUNE, clean, joining, start_and_signal
 from test_search import replay_experiment
 
 from mbtune.lattice import BatchConfig
@@ -150,6 +150,7 @@ def test_without_optuna_dashboard_the_recommendation_is_a_study_attribute(tmp_pa
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["model", "grid", "halving", "tpe"])
 def test_every_run_leaves_a_study_of_every_trial_its_attributes_and_its_recommendation(
     ray_session, tmp_path, monkeypatch, sampler
@@ -191,18 +192,23 @@ def test_every_run_leaves_a_study_of_every_trial_its_attributes_and_its_recommen
     assert final in get_note(saved)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sampler", "sig"),
     [("tpe", signal.SIGTERM), ("tpe", signal.SIGKILL), ("model", signal.SIGKILL)],
 )
 def test_a_stopped_or_killed_run_leaves_no_trial_running_and_its_study_agrees_with_its_rows(
-    tmp_path, sampler, sig
+    tmp_path, sampler, sig, shared_ray
 ):
     """The study is what a resumed search reads (the sampler's state, the budget, what was
     measured): after a stop or a kill and the resume, it agrees with trials.csv, row for
     row, and nothing in it is left running."""
-    code, _, _, run = start_and_signal(tmp_path, sig, sampler=sampler, num_samples=8)
+    # on the session's Ray: the study is the subject (tests/test_interrupts.py stops and
+    # kills searches on an embedded Ray too)
+    code, _, _, run = start_and_signal(
+        tmp_path, sig, sampler=sampler, num_samples=8, ray=shared_ray
+    )
     url = f"sqlite:///{run / 'optuna.db'}"
     if sig == signal.SIGTERM:  # the run ended itself: nothing left running already
         states = {t.state for t in optuna.load_study(study_name=STUDY_NAME, storage=url).trials}
@@ -210,8 +216,8 @@ def test_a_stopped_or_killed_run_leaves_no_trial_running_and_its_study_agrees_wi
     else:
         assert code == -signal.SIGKILL
     before = RunDir(run).trials()
-    done = subprocess.run([MBTUNE, "run", "--resume", str(run)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([MBTUNE, "run", "--resume", str(run), *joining(shared_ray)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     # Optuna's study (optuna.db) outlives a kill, told of trials Ray never saved: the
     # resumed searcher must not tell it again ("Cannot tell a COMPLETE trial")
@@ -248,6 +254,7 @@ def test_a_stopped_or_killed_run_leaves_no_trial_running_and_its_study_agrees_wi
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_the_model_sampler_in_a_study_of_your_own_recommends_what_mbtune_run_does(
     ray_session, tmp_path
 ):

@@ -151,9 +151,15 @@ def in_a_terminal(argv, cwd, timeout=240) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+# the searches join the session's Ray: what they print is the subject, not an embedded
+# Ray's start-up
+
+
+@pytest.mark.ray
 @pytest.mark.slow
-def test_a_search_on_a_terminal_shows_the_running_trials_phase(tmp_path):
-    text = in_a_terminal([*MBTUNE, "run", str(experiment(tmp_path))], cwd=tmp_path)
+def test_a_search_on_a_terminal_shows_the_running_trials_phase(tmp_path, shared_ray):
+    argv = [*MBTUNE, "run", str(experiment(tmp_path)), "--address", shared_ray.address]
+    text = in_a_terminal(argv, cwd=tmp_path)
     drawn = [d for d in re.split(r"\r\n|\r\x1b\[K|\r", text) if d]  # each line as drawn
     config = "trial   1  num_devices 1, batch_size 4, micro_batch_size 4"
     assert any(re.fullmatch(STAMP + config + r": starting, \d+ s", d) for d in drawn), text
@@ -163,10 +169,12 @@ def test_a_search_on_a_terminal_shows_the_running_trials_phase(tmp_path):
     assert "recommended: micro_batch_size 4" in text
 
 
+@pytest.mark.ray
 @pytest.mark.slow
-def test_piped_output_has_no_progress_line(tmp_path):
-    done = subprocess.run([*MBTUNE, "run", str(experiment(tmp_path, measure_steps=2))],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=240)  # fmt: skip
+def test_piped_output_has_no_progress_line(tmp_path, shared_ray):
+    argv = [*MBTUNE, "run", str(experiment(tmp_path, measure_steps=2)),
+            "--address", shared_ray.address]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stdout and "\x1b" not in done.stdout
     assert "starting" not in done.stdout and "building" not in done.stdout

@@ -73,6 +73,7 @@ def lines(path: Path) -> list[list[int]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_each_trial_is_a_fresh_child_of_one_warm_parent(tmp_path):
     request = where_experiment(tmp_path)
     for _ in range(2):
@@ -87,6 +88,7 @@ def test_each_trial_is_a_fresh_child_of_one_warm_parent(tmp_path):
     assert [count for *_, count in built] == [1, 1]
 
 
+@pytest.mark.slow
 def test_cold_trials_are_fresh_processes_of_their_own(tmp_path, monkeypatch):
     monkeypatch.setenv("MBTUNE_COLD_TRIALS", "1")
     result = measure_in_subprocess(where_experiment(tmp_path), cwd=str(tmp_path))
@@ -95,6 +97,7 @@ def test_cold_trials_are_fresh_processes_of_their_own(tmp_path, monkeypatch):
     assert parent == os.getpid()
 
 
+@pytest.mark.slow
 def test_the_warm_parent_runs_one_thread_and_no_torch_op(tmp_path):
     exp = parse_experiment({"name": "x", "model": {"name": "gpt"}, "trial": {"compile": True},
                             "train_input": {"batch_size": 4}})  # fmt: skip
@@ -120,6 +123,7 @@ def test_a_process_with_threads_may_not_fork():
         thread.join()
 
 
+@pytest.mark.slow
 def test_a_parent_that_may_not_fork_leaves_the_trials_cold(tmp_path, monkeypatch, capsys):
     (tmp_path / "threaded.py").write_text(
         "import threading, time\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from rundirs import make_run, recommendation_record, trial_row
-from test_interrupts import MBTUNE, experiment
+from test_interrupts import MBTUNE, experiment, joining
 from trial_gate import TrialGate
 
 from mbtune.analysis import watch as watch_module
@@ -157,10 +157,12 @@ def test_ctrl_c_ends_it_with_0_and_nothing_more(tmp_path, monkeypatch):
     assert code == 0 and out.count("mbtune watch: ") == 1 and out.endswith("\n\n")
 
 
+@pytest.mark.ray
 @pytest.mark.slow
-def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys, monkeypatch):
-    # two trials pass the gate, the third holds until watch has shown the run once
-    gate = TrialGate(tmp_path / "gate", passes=2)
+def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys, monkeypatch, shared_ray):
+    # two trials pass the gate, the third holds until watch has shown the run once; the
+    # search joins the session's Ray (watch is the subject, not an embedded Ray's start-up)
+    gate = TrialGate(shared_ray.gate, passes=2)
     shown = Watcher.poll
 
     def poll(self):
@@ -171,8 +173,8 @@ def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(Watcher, "poll", poll)
     search = subprocess.Popen(
-        [MBTUNE, "run", str(experiment(tmp_path))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gate.env(),
+        [MBTUNE, "run", str(experiment(tmp_path)), *joining(shared_ray)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

@@ -2,9 +2,13 @@
 the first ``passes`` trial processes run, the next ones hold until the test releases the
 gate. A test that polls what the search writes (trials.csv) and then signals it knows
 that the search cannot have moved on, let alone finished, in between: no race between a
-poll and the search, as the cluster tests' hold file. The hook is tests/gate_hook/
-sitecustomize.py, which the search's processes import from PYTHONPATH (an embedded Ray's
-workers, and the trial processes they start, inherit the driver's environment)."""
+poll and the search, as the cluster tests' hold file.
+
+The hook is tests/gate_hook/sitecustomize.py, which Python imports in every process that
+has it on PYTHONPATH: a search on an embedded Ray gets it from the command's environment
+(:meth:`TrialGate.env`: the embedded Ray's workers, and their trial processes, inherit the
+driver's); the session's Ray (tests/conftest.py) starts with it and with its own gate
+directory, which a test closes with ``TrialGate(shared_ray.gate, passes)``."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ class TrialGate:
     def __init__(self, directory: Path, passes: int) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.iterdir():  # the session Ray's gate, closed again: afresh
+            old.unlink()
         for i in range(passes):
             (self.dir / f"pass-{i:04d}").touch()
         (self.dir / "hold").touch()
