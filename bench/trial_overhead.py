@@ -23,17 +23,43 @@ the bare loop does not.
 
 Target: trial wall time <= 1.2x the bare loop (compile off, so there is no compile time
 to set aside).
+
+``--processes`` (issue 41): the time a trial spends outside its compile and its steps when
+it runs as a search runs it, in a process of its own, and the warm quickstart's wall time.
+Each round runs, for each side (this tree; with ``--before TREE`` also the code in TREE, a
+git worktree, first in every other round), two arms in fresh processes whose PYTHONPATH
+puts the side's mbtune first:
+
+  trials      the quickstart GPT (compiled, warm compile cache) at (32, 1, 8), (32, 1, 16),
+              (32, 2, 8) and (32, 2, 16), each through
+              ``mbtune.trial.launch.measure_in_subprocess``, timed around the call;
+  quickstart  ``mbtune run experiments/quickstart.yaml`` (this tree's file for both sides),
+              timed as a whole command, with a clock on every trial of it
+              (bench/_trial_clock: each trial actor's call, begun and ended).
+
+Per trial: outside = the call's wall time - compile_s - the steps' time ((1 + warm-up) x
+the median step + every timed step); the first trial of a process or of a trial actor
+apart (it starts what later trials reuse). Per trial actor: the gap from one trial's end
+to its next one's start (Tune's bookkeeping, the search's proposal). One untimed
+quickstart per side first fills the compile cache. Medians per side, and after / before
+per round.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
-from _common import QUICKSTART, machine, save, table, wait_for_quiet
+from _common import BENCH, QUICKSTART, ROOT, loadavg, machine, save, table, wait_for_quiet
 
 from mbtune.config.load import load_experiment
 from mbtune.lattice import BatchConfig
@@ -82,10 +108,188 @@ def trial(exp, config: BatchConfig) -> tuple[float, float]:
     return r.wall_s, r.step_time_ms_median / 1e3
 
 
+# ---------------------------------------------------------------------------
+# --processes: trials in processes of their own, and the quickstart (issue 41)
+
+PROCESS_CONFIGS = [BatchConfig(32, 1, 8), BatchConfig(32, 1, 16), BatchConfig(32, 2, 8),
+                   BatchConfig(32, 2, 16)]  # fmt: skip
+CLOCK = BENCH / "_trial_clock"
+
+
+def outside_s(wall_s: float, result: dict, warmup_steps: int) -> float | None:
+    """A trial's time outside its compile and its steps; None where it measured nothing."""
+    if result.get("status") != "ok" or not result.get("step_times_ms"):
+        return None
+    steps = (1 + warmup_steps) * result["step_time_ms_median"] + sum(result["step_times_ms"])
+    return wall_s - (result.get("compile_s") or 0.0) - steps / 1e3
+
+
+def process_side() -> None:
+    """One side's trials arm, in this process (its PYTHONPATH picks the side): JSON out."""
+    import mbtune
+    from mbtune.trial.launch import measure_in_subprocess
+    from mbtune.trial.trial import TrialRequest
+
+    tree = Path(mbtune.__file__).resolve().parents[1]  # the side's: ``python -m`` runs it
+    exp = load_experiment(QUICKSTART)
+    rows = []
+    for config in PROCESS_CONFIGS:
+        t0 = time.perf_counter()
+        result = measure_in_subprocess(TrialRequest(experiment=exp, config=config), cwd=str(tree))
+        wall = time.perf_counter() - t0
+        rows.append({"config": [config.batch_size, config.num_devices, config.micro_batch_size],
+                     "status": result["status"], "wall_s": wall,
+                     "compile_s": result.get("compile_s"),
+                     "outside_s": outside_s(wall, result, exp.trial.warmup_steps)})  # fmt: skip
+    print(json.dumps(rows))
+
+
+def side_env(tree: Path, clock: Path | None = None) -> dict[str, str]:
+    """The environment of a side's processes: its tree first on PYTHONPATH (and the clock).
+    A ``python -m`` puts its working directory first: a side's runs there too."""
+    paths = [str(CLOCK)] if clock else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(tree)])}
+    if clock:
+        env["MBTUNE_TRIAL_CLOCK"] = str(clock)
+    return env
+
+
+def trials_arm(tree: Path) -> list[dict]:
+    done = subprocess.run([sys.executable, __file__, "--side"], env=side_env(tree), cwd=ROOT,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def quickstart_arm(tree: Path) -> dict:
+    """``mbtune run experiments/quickstart.yaml`` with the side's mbtune, clocked."""
+    with tempfile.TemporaryDirectory() as tmp:
+        clock = Path(tmp) / "clock.jsonl"
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "mbtune", "run", str(QUICKSTART), "--set",
+                               f"output_dir={tmp}/runs"], env=side_env(tree, clock), cwd=tree,
+                              capture_output=True, text=True)  # fmt: skip
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise SystemExit(f"the quickstart from {tree} exited {done.returncode}: "
+                             f"{done.stderr[-2000:]}")  # fmt: skip
+        (run_dir,) = (Path(tmp) / "runs").iterdir()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        trials = [json.loads(line) for line in clock.read_text().splitlines()]
+    wrong = {t["code"] for t in trials} - {str(tree / "mbtune" / "trial" / "launch.py")}
+    if wrong:
+        raise SystemExit(f"the quickstart from {tree} ran another mbtune: {wrong}")
+    first_of_actor, gaps = set(), []
+    for pid in {t["pid"] for t in trials}:
+        mine = sorted((t for t in trials if t["pid"] == pid), key=lambda t: t["start"])
+        first_of_actor.add(id(mine[0]))
+        gaps += [b["start"] - a["end"] for a, b in zip(mine, mine[1:], strict=False)]
+    for t in trials:
+        t["first_of_actor"] = id(t) in first_of_actor
+        t["outside_s"] = outside_s(t["end"] - t["start"], t, t["warmup_steps"])
+    rec = summary["recommended"]
+    return {"wall_s": wall, "trials": len(trials), "actors": len({t["pid"] for t in trials}),
+            "recommended": [rec["batch_size"], rec["num_devices"], rec["micro_batch_size"]],
+            "confidence": summary.get("confidence"), "reason": summary.get("reason"),
+            "gaps_s": gaps, "clock": trials}  # fmt: skip
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def side_figures(rounds: list[dict]) -> dict:
+    """One side's medians over its rounds."""
+    trials = [r for rnd in rounds for r in rnd["trials"]]
+    clocked = [t for rnd in rounds for t in rnd["quickstart"]["clock"]]
+    return {
+        "trials_first_outside_s": _median([rnd["trials"][0]["outside_s"] for rnd in rounds]),
+        "trials_later_outside_s": _median(
+            [r["outside_s"] for rnd in rounds for r in rnd["trials"][1:]]
+        ),  # fmt: skip
+        "trials_compile_s": _median([r["compile_s"] for r in trials]),
+        "quickstart_wall_s": _median([rnd["quickstart"]["wall_s"] for rnd in rounds]),
+        "quickstart_trials": _median([rnd["quickstart"]["trials"] for rnd in rounds]),
+        "quickstart_outside_s": _median([t["outside_s"] for t in clocked]),
+        "quickstart_first_of_actor_outside_s": _median(
+            [t["outside_s"] for t in clocked if t["first_of_actor"]]
+        ),
+        "quickstart_later_outside_s": _median(
+            [t["outside_s"] for t in clocked if not t["first_of_actor"]]
+        ),
+        "quickstart_gap_s": _median([g for rnd in rounds for g in rnd["quickstart"]["gaps_s"]]),
+    }
+
+
+def processes(rounds: int, before: Path | None, after: Path) -> None:
+    info = machine()
+    sides = {"after": after, **({"before": before} if before else {})}
+    for tree in sides.values():
+        packaged = tree / "mbtune" / "search_spaces"  # as the editable install maps it
+        if tree != ROOT and (tree / "search_spaces").is_dir() and not packaged.exists():
+            packaged.symlink_to(Path("..") / "search_spaces")
+    for tree in sides.values():
+        quickstart_arm(tree)  # untimed: the compile cache filled, the side's imports cached
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for i in range(rounds):
+        order = list(sides) if i % 2 else list(reversed(sides))
+        for label in order:
+            load = loadavg()
+            runs[label].append({"loadavg": load, "trials": trials_arm(sides[label]),
+                                "quickstart": quickstart_arm(sides[label])})  # fmt: skip
+            r = runs[label][-1]
+            print(f"round {i + 1} {label} (load {load}): trials outside "
+                  f"{[round(t['outside_s'] or -1, 2) for t in r['trials']]} s; quickstart "
+                  f"{r['quickstart']['wall_s']:.1f} s, {r['quickstart']['trials']} trials, "
+                  f"{r['quickstart']['recommended']} at {r['quickstart']['confidence']}",
+                  flush=True)  # fmt: skip
+    figures = {k: side_figures(v) for k, v in runs.items()}
+    print(table(["figure", *figures], [(name, *(f[name] for f in figures.values()))
+                                       for name in figures["after"]]))  # fmt: skip
+    paired = {}
+    if before:
+        for arm, key in (
+            ("quickstart_wall_s", lambda r: r["quickstart"]["wall_s"]),
+            ("trials_wall_s", lambda r: sum(t["wall_s"] for t in r["trials"])),
+        ):
+            ratios = [key(a) / key(b) for a, b in zip(runs["after"], runs["before"], strict=True)]
+            paired[arm] = {"after_over_before": ratios, "median": statistics.median(ratios)}
+            print(
+                f"{arm}: after / before per round {[round(x, 2) for x in ratios]}, "
+                f"median {paired[arm]['median']:.2f}"
+            )
+    path = save("trial_overhead_processes", info, {
+        "rounds": rounds, "before": str(before) if before else None, "after": str(after),
+        "configs": [c.as_dict() for c in PROCESS_CONFIGS],
+        "figures": figures, "paired": paired, "runs": runs,
+    })  # fmt: skip
+    print(f"raw figures: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each (default 5)")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="trials in processes of their own and the quickstart (issue 41)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        metavar="TREE",
+        help="with --processes: the code before, a git worktree, interleaved",
+    )
+    parser.add_argument(
+        "--after", type=Path, metavar="TREE", default=ROOT,
+        help="with --processes: the code after (default: this tree)",
+    )  # fmt: skip
+    parser.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.side:
+        return process_side()
+    if opts.processes:
+        return processes(opts.rounds, opts.before, opts.after)
     info = machine()
     exp = load_experiment(QUICKSTART, ["trial.compile=false"])
 
