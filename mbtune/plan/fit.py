@@ -142,11 +142,6 @@ class StepModel:
     device_counts: tuple[int, ...]
     """The device counts the run measured."""
 
-    @property
-    def fitted_link(self) -> bool:
-        """True: the intra-node link was fitted to the run's measurements."""
-        return self.measured is not None
-
     def step_s(self, config: BatchConfig) -> np.ndarray:
         """The step time of ``config`` in each draw (seconds)."""
         g = config.grad_accum_steps

@@ -30,7 +30,7 @@ from mbtune.recommend.observation import observation
 from mbtune.report import base_line, stream_line, tie_line
 from mbtune.runs.record import TrialRecord
 
-__all__ = ["Pooled", "Reporter", "StreamRecommendation", "per_config", "ranking"]
+__all__ = ["Pooled", "Reporter", "StreamRecommendation", "in_order", "per_config", "ranking"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,8 @@ class Reporter:
         if a.recommended is None or a.value is None:
             return None
         base = _base(history) or a.value
-        best, user = per_config(records)[a.recommended].record, self.user_config
+        pooled = per_config(records)
+        best, user = pooled[a.recommended].record, self.user_config
         rec = StreamRecommendation(
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
             trials=len(records),
@@ -142,7 +143,7 @@ class Reporter:
             mfu=_float(best.mfu),
             tie=a.tie.record() if a.tie else None,
             drift=a.drift,
-            ranking=tuple(ranking(records, a)),
+            ranking=tuple(ranking(in_order(pooled, a), a)),
             opens=not history,
             yours=None if user is None else a.recommended == user.canonical(),
         )
@@ -159,9 +160,9 @@ class Reporter:
         base = _base(history)
         out: dict[str, Any] = {"status": status, "trials": len(records), "recommended": None}
         pooled = per_config(records)
-        ok = sorted(pooled.values(), key=lambda p: _rank(p, a))
+        ok = in_order(pooled, a)
         out["top"] = [_brief(p, a) for p in ok[:5]]
-        out["ranking"] = ranking(records, a)
+        out["ranking"] = ranking(ok, a)
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
@@ -237,13 +238,18 @@ def _rank(p: Pooled, a: Assessment) -> tuple:
     return (1, -a.estimate.get(c, p.record.objective))
 
 
-def ranking(records: Sequence[TrialRecord], a: Assessment) -> list[dict[str, Any]]:
-    """The one order of "best": every configuration measured ok, the recommendation first
-    (a tie's members in the tie's order), then by the model's estimate; each with its
-    sizes, the model's estimate of its samples/s, its measurements pooled (geometric
-    mean) and how many there were. The stream's records and summary.json carry it, and
-    ``mbtune watch``, ``mbtune analyze`` and the frame's helpers read it back."""
-    pooled = sorted(per_config(records).values(), key=lambda p: _rank(p, a))
+def in_order(pooled: Mapping[BatchConfig, Pooled], a: Assessment) -> list[Pooled]:
+    """The one order of "best": every configuration measured ok (:func:`per_config`), the
+    recommendation first (a tie's members in the tie's order), then by the model's
+    estimate (:func:`_rank`)."""
+    return sorted(pooled.values(), key=lambda p: _rank(p, a))
+
+
+def ranking(ordered: Sequence[Pooled], a: Assessment) -> list[dict[str, Any]]:
+    """The ranking the stream's records and summary.json carry, which ``mbtune watch``,
+    ``mbtune analyze`` and the frame's helpers read back: the configurations of
+    :func:`in_order`, each with its sizes, the model's estimate of its samples/s, its
+    measurements pooled (geometric mean) and how many there were."""
     return [
         {
             **p.record.config.canonical().sizes(),
@@ -251,7 +257,7 @@ def ranking(records: Sequence[TrialRecord], a: Assessment) -> list[dict[str, Any
             "samples_per_s": _float(p.record.samples_per_s),
             "measurements": p.measurements,
         }
-        for p in pooled
+        for p in ordered
     ]
 
 
