@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, stages_per_rank
 
 __all__ = [
     "Link",
@@ -40,8 +40,10 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "fsdp_traffic",
+    "pipeline_traffic",
     "reduce_scatter",
     "send",
+    "tensor_parallel_traffic",
     "step_traffic",
     "two_tier_s",
 ]
@@ -100,7 +102,7 @@ def fsdp_traffic(units: Sequence[tuple[float, float]], config: BatchConfig) -> T
     the backward); the gradients are reduce-scattered once a step (``grad_sync: last``) or
     once a micro-batch (``every``). A unit gathered once and reduce-scattered once moves
     an all-reduce's bytes."""
-    n, g = config.num_devices, config.grad_accum_steps
+    n, g = config.data_parallel, config.grad_accum_steps
     scatters = g if config.grad_sync == "every" else 1
     total = Traffic()
     for i, (gather, scatter) in enumerate(units):
@@ -117,12 +119,36 @@ def step_traffic(
     sharding: str = "none",
     units: Sequence[tuple[float, float]] | None = None,
 ) -> Traffic:
-    """A data-parallel step's collectives: the gradients' all-reduce (``grad_bytes``), or
-    with ``sharding: fsdp`` FSDP2's (:func:`fsdp_traffic`) over ``units``; where the units
-    are not known (a plan), the whole model as one unit beside an empty root."""
+    """A data-parallel step's collectives over the d replicas: the gradients' all-reduce
+    (``grad_bytes``, one device's: its stage's and shard's with model parallelism), or with
+    ``sharding: fsdp`` FSDP2's (:func:`fsdp_traffic`) over ``units``; where the units are
+    not known (a plan), the whole model as one unit beside an empty root."""
     if sharding != "fsdp":
-        return all_reduce(grad_bytes, config.num_devices)
+        return all_reduce(grad_bytes, config.data_parallel)
     return fsdp_traffic(units if units else ((grad_bytes, grad_bytes), (0, 0)), config)
+
+
+def tensor_parallel_traffic(config: BatchConfig, *, layers: float, activation_bytes: float,
+                            ) -> Traffic:  # fmt: skip
+    """One device's tensor-parallel collectives of a step (Megatron's): each of its stage's
+    ``layers`` blocks all-reduces its activations over t twice in the forward pass (after
+    attention and after the MLP) and twice in the backward, for each of the g
+    micro-batches; ``activation_bytes``: one sample's activations between blocks. With
+    sequence parallelism they are reduce-scatters and all-gathers of the same volume."""
+    t, g, m = config.tensor_parallel, config.grad_accum_steps, config.micro_batch_size
+    return 4 * layers * g * all_reduce(m * activation_bytes, t)
+
+
+def pipeline_traffic(config: BatchConfig, *, activation_bytes: float) -> Traffic:
+    """One stage's point-to-point traffic of a step: for each micro-batch and each of its
+    v chunks (lattice.stages_per_rank), the activations sent on in the forward pass and
+    their gradients sent back in the backward (``activation_bytes``: one sample's, between
+    blocks), in its tensor-parallel shard (each of t devices sends 1/t of them)."""
+    if config.pipeline_parallel <= 1:
+        return Traffic()
+    v = stages_per_rank(config.pipeline_schedule)
+    each = config.micro_batch_size * activation_bytes / config.tensor_parallel
+    return 2 * v * config.grad_accum_steps * send(each)
 
 
 @dataclass(frozen=True)

@@ -431,7 +431,8 @@ def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
         (
             "train_input",
             f"batch_size {t.batch_size}, num_devices {t.num_devices}"
-            + (f", pipeline_stages {t.pipeline_stages}" if t.pipeline_stages > 1 else "")
+            + (f", tensor_parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
+            + (f", pipeline_parallel {t.pipeline_parallel}" if t.pipeline_parallel > 1 else "")
             + (", allow_uneven" if t.allow_uneven else ""),
         ),
         ("mode", mode + yours),

@@ -13,7 +13,7 @@ EXPERIMENT = {
     "name": "handmade",
     "model": {"name": "mlp"},
     "train_input": {"batch_size": 32, "micro_batch_size": "auto", "num_devices": 1,
-                    "pipeline_stages": 1},
+                    "pipeline_parallel": 1},
     "search": {"objective": "samples_per_s", "confidence_target": 90},
     "trial": {"device_memory": 512 * 2**20},
 }  # fmt: skip
@@ -36,7 +36,7 @@ def trial_row(
     row: dict[str, Any] = {
         **config.as_dict(),
         "status": status,
-        "pipeline_stages": 1,
+        "pipeline_parallel": 1,
         "micro_batch_sizes_tried": [micro_batch_size],
         "peak_memory_bytes": 100 * 2**20 + micro_batch_size * 2**20,
         "objective": 0.0,

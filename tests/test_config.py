@@ -45,10 +45,10 @@ def test_every_key_is_read():
             "micro_batch_size": 8,
             "num_devices": 2,
             "allow_uneven": False,
-            "pipeline_stages": 2,
+            "pipeline_stages": 2,  # the old name: n counted the data-parallel devices
         },
         search={
-            "space": {"num_devices": [2, 1, 2], "batch_size": {"min": 32, "max": 128}},
+            "space": {"num_devices": [4, 2, 4], "batch_size": {"min": 32, "max": 128}},
             "sampler": "GP",
             "objective": "samples_per_s_per_device",
             "num_samples": 7,
@@ -78,10 +78,10 @@ def test_every_key_is_read():
     )
     assert exp.model.name == "gpt" and exp.model.options == {"n_layer": 3, "seq_len": 32}
     t = exp.train_input
-    assert (t.batch_size, t.micro_batch_size, t.num_devices, t.pipeline_stages) == (64, 8, 2, 2)
-    assert t.config == BatchConfig(64, 2, 8)
+    assert (t.batch_size, t.micro_batch_size, t.num_devices, t.pipeline_parallel) == (64, 8, 4, 2)
+    assert t.config == BatchConfig(64, 4, 8, pipeline_parallel=2)
     s = exp.search
-    assert s.space.num_devices == (1, 2) and s.space.batch_size == IntRange(32, 128)
+    assert s.space.num_devices == (2, 4) and s.space.batch_size == IntRange(32, 128)
     assert (s.sampler, s.objective, s.num_samples, s.time_budget_s) == (
         "gp", "samples_per_s_per_device", 7, 60
     )  # fmt: skip
@@ -95,11 +95,11 @@ def test_every_key_is_read():
     assert (r.address, r.dashboard, r.cpus_per_trial, r.gpus_per_trial) == ("auto", True, 0.5, 1)
     assert r.max_concurrent_trials == 2
     assert exp.output_dir == Path("out")
-    # B = n x m x g in 32..128 with m = 8 on one or two devices
+    # B = d x m x g in 32..128 with m = 8 on one or two replicas of 2 stages
     assert [(c.batch_size, c.num_devices) for c in exp.configs()] == [
-        (32, 1), (40, 1), (48, 1), (56, 1), (64, 1), (72, 1), (80, 1), (88, 1), (96, 1),
-        (104, 1), (112, 1), (120, 1), (128, 1), (32, 2), (48, 2), (64, 2), (80, 2), (96, 2),
-        (112, 2), (128, 2),
+        (32, 2), (40, 2), (48, 2), (56, 2), (64, 2), (72, 2), (80, 2), (88, 2), (96, 2),
+        (104, 2), (112, 2), (120, 2), (128, 2), (32, 4), (48, 4), (64, 4), (80, 4), (96, 4),
+        (112, 4), (128, 4),
     ]  # fmt: skip
 
 
@@ -326,15 +326,31 @@ BAD = [
      r"model\.n_head"),
     ({"model": 3}, r"^model: this section must be a mapping of keys, got int"),
     ({"name": "a b"}, r"^name: 'a b' is not a valid name"),
-    ({"train_input": {"batch_size": 64, "micro_batch_size": "explore",
-                      "pipeline_stages": 2}}, r"^train_input\.pipeline_stages: pipeline_stages "
-     r"2 cannot explore uneven micro-batches; set micro_batch_size: auto or none, or set "
-     r"pipeline_stages: 1$"),
-    ({"train_input": {"batch_size": 65, "num_devices": 2, "micro_batch_size": 4,
-                      "allow_uneven": True, "pipeline_stages": 2}},
-     r"^train_input\.allow_uneven: uneven splits cannot be pipelined: .*; set allow_uneven: "
-     r"false with nearest valid batch_size for micro_batch_size 4: 64 \(below\) or 72 "
-     r"\(above\), or set pipeline_stages: 1$"),
+    ({"train_input": {"batch_size": 64, "micro_batch_size": "explore", "num_devices": 2,
+                      "pipeline_parallel": 2}},
+     r"^train_input\.pipeline_parallel: pipeline_parallel 2 cannot explore uneven "
+     r"micro-batches; set micro_batch_size: auto or none, or set tensor_parallel: 1 and "
+     r"pipeline_parallel: 1$"),
+    ({"train_input": {"batch_size": 65, "num_devices": 4, "micro_batch_size": 4,
+                      "allow_uneven": True, "pipeline_parallel": 2}},
+     r"^train_input\.allow_uneven: uneven splits cannot be split over a model's devices: .*; "
+     r"set allow_uneven: false with nearest valid batch_size for micro_batch_size 4: 64 "
+     r"\(below\) or 72 \(above\), or set tensor_parallel: 1 and pipeline_parallel: 1$"),
+    ({"train_input": {"batch_size": 64, "num_devices": 3, "tensor_parallel": 2}},
+     r"^train_input\.num_devices: num_devices 3 is not a multiple of tensor_parallel 2 x "
+     r"pipeline_parallel 1 = 2; valid num_devices for batch_size 64: 2, 4, 8, 16, 32, 64, 128$"),
+    ({"train_input": {"batch_size": 64, "num_devices": 4, "pipeline_parallel": 2,
+                      "micro_batch_size": 64}},
+     r"^train_input\.micro_batch_size: micro_batch_size 64 exceeds the per-device batch 32 "
+     r"\(batch_size 64 / the 2 data-parallel replicas \(num_devices 4 / \(tensor_parallel x "
+     r"pipeline_parallel 2\)\)\)"),
+    ({"train_input": {"batch_size": 64, "num_devices": 2, "pipeline_parallel": 2,
+                      "micro_batch_size": 64}, "trial": {"pipeline_schedule": "dualpipev"}},
+     r"^trial\.pipeline_schedule: dualpipev with pipeline_parallel 2 needs at least 4 "
+     r"micro-batches per step, and this configuration has 1$"),
+    ({"trial": {"pipeline_schedule": "looped"}}, r"^trial\.pipeline_schedule: "),
+    ({"train_input": {"batch_size": 8, "pipeline_stages": 2, "pipeline_parallel": 2}},
+     r"^train_input\.pipeline_stages: give pipeline_parallel or its old name"),
     ({"train_input": {"batch_size": 2**40}}, r"^train_input\.batch_size: .* out of range"),
 ]  # fmt: skip
 
@@ -412,14 +428,23 @@ RULES = [
     (TrainInput, dict(batch_size=8, micro_batch_size=16)),
     (TrainInput, dict(batch_size=8, micro_batch_size="most")),
     (TrainInput, dict(batch_size=8, allow_uneven="yes")),
-    (TrainInput, dict(batch_size=8, pipeline_stages=0)),
-    (TrainInput, dict(batch_size=64, micro_batch_size="explore", pipeline_stages=2)),
+    (TrainInput, dict(batch_size=8, pipeline_parallel=0)),
+    (
+        TrainInput,
+        dict(batch_size=64, num_devices=2, micro_batch_size="explore", pipeline_parallel=2),
+    ),
     (
         TrainInput,
         dict(
-            batch_size=65, num_devices=2, micro_batch_size=4, allow_uneven=True, pipeline_stages=2
+            batch_size=65, num_devices=4, micro_batch_size=4, allow_uneven=True, pipeline_parallel=2
         ),
     ),
+    (TrainInput, dict(batch_size=8, num_devices=3, tensor_parallel=2)),
+    (TrainInput, dict(batch_size=8, tensor_parallel=0)),
+    (SpaceConfig, dict(tensor_parallel=(0,))),
+    (SpaceConfig, dict(pipeline_parallel=())),
+    (SpaceConfig, dict(pipeline_schedule=("looped",))),
+    (TrialConfig, dict(pipeline_schedule="looped")),
     (ModelConfig, dict(name="")),
     (ModelConfig, dict(name="gtp")),
     (ModelConfig, dict(name="pkg..mod:f")),
@@ -504,10 +529,15 @@ RULES = [
     (Experiment, dict(name="a b")),
     (Experiment, dict(output_dir=Path("a\0b"))),
     (Experiment, dict(trial=TrialConfig(backend="replay"))),
-    (Experiment, dict(trial=DDP, train_input=TrainInput(batch_size=32, pipeline_stages=2))),
+    (
+        Experiment,
+        dict(trial=DDP, train_input=TrainInput(batch_size=32, num_devices=2, pipeline_parallel=2)),
+    ),
     (Experiment, dict(trial=TrialConfig(parallel="ddp", backend="replay", table=Path("t")))),
-    (Experiment, dict(trial=TrialConfig(parallel="ddp", device="cuda"),
-                      ray=RayConfig(gpus_per_trial=0))),  # fmt: skip
+    (
+        Experiment,
+        dict(trial=TrialConfig(parallel="ddp", device="cuda"), ray=RayConfig(gpus_per_trial=0)),
+    ),  # fmt: skip
     (Experiment, dict(trial=DDP, ray=RayConfig(cpus_per_trial=0))),
     (Experiment, dict(trial=DDP, ray=RayConfig(gpus_per_trial=0.5))),
     (Experiment, dict(search=SearchConfig(space=SpaceConfig(num_devices=(64,))))),
@@ -595,7 +625,7 @@ def test_every_field_has_a_rule_above():
                         (LinkTier, "plan.intra_node"), (Experiment, "")]:  # fmt: skip
         for f in dataclasses.fields(cls):
             if f.name in ("source", "space", "options", "model", "train_input", "search", "trial",
-                          "ray", "intra_node", "inter_node"):  # fmt: skip
+                          "ray", "intra_node", "inter_node", "model_shape"):  # fmt: skip
                 continue
             where = f"{prefix}.{f.name}" if prefix else f.name
             missing += [where] * (not any(n == where or n.startswith((f"{where}[", f"{where}."))
@@ -752,7 +782,7 @@ def values_named(lines: list[str], key: str) -> set[int]:
     named: set[int] = set()
     for line in lines:
         if line.startswith(f"{key} "):
-            for part in line[len(key) + 1:].split(": ")[0].split(", "):
+            for part in line[len(key) + 1 :].split(": ")[0].split(", "):
                 lo, _, hi = part.partition("..")
                 named.update(range(int(lo), int(hi or lo) + 1))
     return named

@@ -199,7 +199,7 @@ def test_the_runs_recommended_global_batch_is_used_where_it_is_expressible():
 
 
 def test_megatron_pipeline_stages():
-    export = export_config("megatron", BatchConfig(64, 2, 4), pipeline_stages=4)
+    export = export_config("megatron", BatchConfig(64, 8, 4, pipeline_parallel=4))
     assert "--pipeline-model-parallel-size 4" in export.text
     assert megatron(export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
     assert "launch on 2 data-parallel devices x 4 pipeline stages (8 in all)" in export.notes

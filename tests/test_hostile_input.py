@@ -88,7 +88,7 @@ SNIPPETS = [
 ]  # fmt: skip
 KEYS = [
     "name", "model", "train_input", "search", "trial", "ray", "output_dir", "batch_size",
-    "micro_batch_size", "num_devices", "num_csx", "allow_uneven", "pipeline_stages", "space",
+    "micro_batch_size", "num_devices", "num_csx", "allow_uneven", "pipeline_parallel", "space",
     "sampler", "objective", "num_samples", "time_budget_s", "confidence_target", "seed",
     "start_points", "backend", "table", "noise", "device", "parallel", "compile",
     "device_memory", "on_oom", "link_bandwidth", "timeout_s", "min", "max", "address",

@@ -177,7 +177,7 @@ LAYERS: dict[str, set[str]] = {
     "progress": {"lattice", "runs", "metrics"},
     "cluster": {"mbtune", "errors"},
     "runs": {"errors", "lattice", "config"},
-    "models": {"errors", "config"},
+    "models": {"errors", "lattice", "config"},
     "trial": {"errors", "lattice", "comm", "config", "models", "progress", "cluster"},
     "report": {"errors", "lattice", "config", "runs", "trial"},
     "recommend": {"errors", "lattice", "config", "runs", "report"},

@@ -55,7 +55,8 @@ def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
     assert asked.user_attrs == {
         "batch_size": proposed.batch_size, "num_devices": proposed.num_devices,
         "micro_batch_size": proposed.micro_batch_size, "activation_checkpointing": False,
-        "reshard_after_forward": True, "grad_sync": "last",
+        "reshard_after_forward": True, "grad_sync": "last", "tensor_parallel": 1,
+        "pipeline_parallel": 1, "pipeline_schedule": "1f1b",
         "grad_accum_steps": proposed.grad_accum_steps, "trial_id": "t1", "repeat": 0,
     }  # fmt: skip
     # measured at half the proposed micro-batch (halved on out of memory); the trial log
@@ -69,12 +70,35 @@ def test_an_asked_trial_carries_its_proposal_then_what_it_measured(tmp_path):
         "trial": 1, "trial_id": "t1", "status": "ok", "batch_size": 32,
         "num_devices": ran.num_devices, "micro_batch_size": 1,
         "activation_checkpointing": False, "reshard_after_forward": True, "grad_sync": "last",
+        "tensor_parallel": 1, "pipeline_parallel": 1, "pipeline_schedule": "1f1b",
         "repeat": 0, "grad_accum_steps": ran.grad_accum_steps, "samples_per_s": 123.0,
         "peak_memory_bytes": 2**20, "objective": 123.0, "step_times_ms": [26.0, 26.1],
     }  # fmt: skip
     # the study holds the record whole: read back, it is trials.csv's
     assert ledger(tmp_path).records() == [record(ran, 123.0, trial_id="t1",
                                                  step_times_ms=(26.0, 26.1))]  # fmt: skip
+
+
+def test_a_told_trial_is_written_only_the_attributes_it_was_not_asked_with(tmp_path, monkeypatch):
+    s = make_searcher("grid", POINTS, seed=0, url=sqlite(tmp_path))
+    proposed = BatchConfig.from_mapping(s.suggest("t1"))
+    asked = dict(study(tmp_path).trials[0].user_attrs)
+    written: list[str] = []
+    log = ledger(tmp_path)
+    set_attr = log.storage.set_trial_user_attr
+
+    def counted(trial_id, key, value):
+        written.append(key)
+        set_attr(trial_id, key, value)
+
+    monkeypatch.setattr(log.storage, "set_trial_user_attr", counted)
+    measured = record(proposed, 123.0, trial_id="t1", step_times_ms=(26.0, 26.1))
+    log.tell(measured)
+    # each attribute a commit of its own: the sizes and the trial's id it had are not again
+    assert sorted(written) == sorted(k for k, v in record_attrs(measured).items()
+                                     if asked.get(k, object()) != v)  # fmt: skip
+    assert {"batch_size", "micro_batch_size", "trial_id"}.isdisjoint(written)
+    assert study(tmp_path).trials[0].user_attrs == {**asked, **record_attrs(measured)}
 
 
 def test_predictions_and_a_warm_start_are_trials_with_the_users_sizes(tmp_path):
@@ -158,7 +182,7 @@ def test_every_run_leaves_a_study_of_every_trial_its_attributes_and_its_recommen
     from mbtune.search import _run
 
     # the quickstart's lattice, replayed; m = 32 on one device predicted out of memory
-    def predict(exp, points, run, say):
+    def predict(exp, points, run, say, screening=None):
         oom = TrialRecord(trial=1, status="oom", batch_size=32, num_devices=1,
                           micro_batch_size=32, reason="predicted: over the budget",
                           objective=0.0)  # fmt: skip

@@ -70,7 +70,7 @@ def test_the_stream_line_keeps_the_cerebras_order():
 def test_analyze_and_export_say_the_recommendation():
     config = BatchConfig(32, 2, 8)
     rec = RunRecommendation(
-        config=config, samples_per_s=630.0, pipeline_stages=1, source="summary.json",
+        config=config, samples_per_s=630.0, source="summary.json",
         confidence=92, recommended_batch_size=34,
     )  # fmt: skip
     assert rec.line() == (
@@ -79,7 +79,7 @@ def test_analyze_and_export_say_the_recommendation():
         "global batch 34"
     )
     rec = RunRecommendation(
-        config=BatchConfig(32, 2, 16), samples_per_s=None, pipeline_stages=1,
+        config=BatchConfig(32, 2, 16), samples_per_s=None,
         source="best ok trial", precision="",
     )  # fmt: skip
     assert rec.line() == (

@@ -14,7 +14,7 @@ import json
 import re
 
 import yaml
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from test_export import READ_BACK
 
@@ -38,9 +38,9 @@ DEVICES = re.compile(
 )
 
 
-def fields(b, n, m, allow_uneven=False, pipeline_stages=1):
+def fields(b, n, m, allow_uneven=False, pipeline_parallel=1):
     return {"batch_size": b, "num_devices": n, "micro_batch_size": m,
-            "allow_uneven": allow_uneven, "pipeline_stages": pipeline_stages}  # fmt: skip
+            "allow_uneven": allow_uneven, "pipeline_parallel": pipeline_parallel}  # fmt: skip
 
 
 def why_not(given: dict) -> str | None:
@@ -52,7 +52,7 @@ def why_not(given: dict) -> str | None:
         return str(e)
     configs = lattice.enumerate_configs(
         mode=t.micro_batch_size, batch_sizes=[t.batch_size], num_devices=[t.num_devices],
-        allow_uneven=t.allow_uneven,
+        allow_uneven=t.allow_uneven, layouts=[(1, t.pipeline_parallel, "gpipe")],
     )  # fmt: skip
     return None if configs else "valid, but no configuration to try"
 
@@ -98,8 +98,10 @@ def check_every_listing_is_exact(message: str, given: dict) -> None:
         below, above = int(match["below"] or 0), int(match["above"])
         between = [b for b in range(below + 1, above) if b != given["batch_size"]]
         assert all(why_not({**given, "batch_size": b}) for b in between), message
-    p = lattice.per_device_batch(given["batch_size"], given["num_devices"])
-    for pattern, key, most in ((MICRO, "micro_batch_size", p), (DEVICES, "num_devices", 200)):
+    p = lattice.per_device_batch(
+        given["batch_size"], given["num_devices"] // given["pipeline_parallel"]
+    )
+    for pattern, key, most in ((MICRO, "micro_batch_size", p), (DEVICES, "num_devices", 2 * 200)):
         for match in pattern.finditer(message):
             valid = [v for v in range(1, most + 1) if not why_not({**given, key: v})]
             assert values(match["values"]) == valid, message
@@ -111,7 +113,7 @@ sizes = st.builds(
     n=st.integers(1, 12),
     m=st.one_of(st.integers(1, 32), st.sampled_from(lattice.MODES)),
     allow_uneven=st.booleans(),
-    pipeline_stages=st.sampled_from([1, 1, 1, 2]),
+    pipeline_parallel=st.sampled_from([1, 1, 1, 2]),
 )
 
 
@@ -122,9 +124,12 @@ sizes = st.builds(
 @example(given=fields(22, 8, 7))  # was: 16 and 24
 @example(given=fields(8, 1, 16))  # was: valid 1..8, with 3, 5, 6, 7 among them
 @example(given=fields(2, 4, 3))  # was: use batch_size >= 4
-@example(given=fields(65, 2, "auto", allow_uneven=True, pipeline_stages=2))
-@example(given=fields(65, 2, "explore", pipeline_stages=2))  # was: use auto
+@example(given=fields(65, 4, "auto", allow_uneven=True, pipeline_parallel=2))
+@example(given=fields(65, 4, "explore", pipeline_parallel=2))  # was: use auto
 def test_every_value_a_message_names_passes_every_rule(given):
+    # num_devices a multiple of t x p is a rule of its own (tests/test_config.py): one way
+    # out cannot mend it and a batch that no device count runs at once
+    assume(given["num_devices"] % given["pipeline_parallel"] == 0)
     message = why_not(given)
     if message is None or message.startswith("valid"):
         return  # valid as given: nothing to suggest

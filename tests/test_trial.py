@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mbtune.cli import main
-from mbtune.comm import all_reduce
+from mbtune.comm import all_reduce, send
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -120,11 +120,35 @@ def test_several_devices_add_the_modelled_all_reduce():
     assert r.step_times_ms[0] > r.comm_time_ms
 
 
-def test_pipeline_stages_add_the_bubble():
-    exp = experiment(micro=2, pipeline_stages=4)
-    r = run_trial(exp, BatchConfig(16, 1, 2))  # g = 8 micro-batches
-    assert r.pipeline_stages == 4
-    assert r.bubble_time_ms == pytest.approx(r.compute_time_ms * 3 / 8)
+GPT4 = {"name": "gpt", "n_layer": 4, "d_model": 32, "n_head": 4, "seq_len": 8, "vocab_size": 64}
+
+
+@pytest.mark.parametrize(("schedule", "bubble"), [("1f1b", 3 / 8), ("interleaved_1f1b", 3 / 16),
+                                                   ("zbv", 3 / 16 / 3)])  # fmt: skip
+def test_a_simulated_pipeline_adds_its_schedules_bubble_and_sends(schedule, bubble):
+    exp = experiment(model=GPT4, micro=2, num_devices=4, pipeline_parallel=4,
+                     trial={"pipeline_schedule": schedule})  # fmt: skip
+    config = BatchConfig(16, 4, 2, pipeline_parallel=4, pipeline_schedule=schedule)
+    r = run_trial(exp, config)  # d = 1 replica of 4 stages: g = 8 micro-batches of 2
+    assert (r.status, r.pipeline_parallel, r.pipeline_schedule, r.grad_accum_steps) == (
+        "ok", 4, schedule, 8)  # fmt: skip
+    assert r.bubble_time_ms == pytest.approx(r.compute_time_ms * bubble)
+    # one replica: no all-reduce; each micro-batch's activations (8 tokens x 32 fp32) go
+    # on and their gradients come back, once per stage a rank holds
+    v = 1 if schedule == "1f1b" else 2
+    sends = 2 * v * 8 * send(2 * 8 * 32 * 4)
+    assert r.comm_time_ms == pytest.approx(sends.seconds(*exp.trial.link("cpu")) * 1e3)
+
+
+def test_a_simulated_tensor_parallel_step_models_its_all_reduces():
+    exp = experiment(model=GPT4, micro=4, num_devices=4, tensor_parallel=2)
+    config = BatchConfig(16, 4, 4, tensor_parallel=2)  # d = 2 replicas: P 8, g 2
+    r = run_trial(exp, config)
+    spec = build_model("gpt", {k: v for k, v in GPT4.items() if k != "name"})
+    grad_bytes = sum(p.numel() * 4 for p in spec.module.parameters())
+    traffic = all_reduce(grad_bytes // 2, 2) + 4 * 4 * 2 * all_reduce(4 * 8 * 32 * 4, 2)
+    assert r.status == "ok" and r.bubble_time_ms == 0
+    assert r.comm_time_ms == pytest.approx(traffic.seconds(*exp.trial.link("cpu")) * 1e3)
 
 
 # -- one measurement loop ------------------------------------------------------------
@@ -158,7 +182,7 @@ def test_a_simulated_measurement_times_the_busiest_devices_compute():
 def test_a_measurement_with_its_all_reduce_measured_is_reported_as_measured():
     """ddp's figures (the slowest rank's): whole steps, the compute and the all-reduce
     timed apart; nothing modelled, whatever the pipeline stages."""
-    exp = experiment(trial={"compile": True}, pipeline_stages=2)
+    exp = experiment(model=GPT4, trial={"compile": True}, num_devices=4, pipeline_parallel=2)
     config = BatchConfig(16, 2, 4)
     measured = Measurement(config=config, device="cpu", precision="fp32", first_s=2.5,
                            step_s=(0.2, 0.4, 0.3), compute_s=(0.1, 0.3, 0.2),

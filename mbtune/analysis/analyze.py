@@ -179,7 +179,6 @@ def export_run(trials: pd.DataFrame, info: RunInfo, framework: str) -> Path:
     snippet = export_config(
         framework,
         c,
-        pipeline_stages=rec.pipeline_stages,
         recommended_batch_size=rec.recommended_batch_size,
         header=export_header(
             c, samples_per_s=rec.samples_per_s, run_path=info.path, source=rec.source

@@ -24,6 +24,7 @@ Accelerate's ``sync_each_batch`` (transformers: through ``accelerator_config``),
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import get_args
@@ -111,7 +112,6 @@ def export_config(
     framework: str,
     config: BatchConfig,
     *,
-    pipeline_stages: int = 1,
     recommended_batch_size: int | None = None,
     header: str | None = None,
     precision: str = "fp32",
@@ -142,8 +142,8 @@ def export_config(
         reshard_after_forward = config.reshard_after_forward
     sync_every = fsdp and config.grad_sync == "every"
     exported, notes = expressible(framework, config, recommended_batch_size)
-    b, n, m = exported.batch_size, exported.num_devices, exported.micro_batch_size
-    g = exported.grad_accum_steps
+    b, n, m = exported.batch_size, exported.data_parallel, exported.micro_batch_size
+    g, pipeline_stages = exported.grad_accum_steps, exported.pipeline_parallel
     bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
     comment = f"# {header}\n" if header else ""
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
@@ -397,7 +397,7 @@ def expressible(
     """The configuration ``framework`` can express nearest to ``config``, and why it
     differs (empty notes: it is ``config`` itself)."""
     notes = []
-    n, m = config.num_devices, config.canonical_micro_batch_size
+    n, m = config.data_parallel, config.canonical_micro_batch_size
     if m != config.micro_batch_size:
         notes.append(
             f"micro_batch_size {config.micro_batch_size} runs the per-device batch "
@@ -422,7 +422,7 @@ def expressible(
             "was not measured as such"
         )
         b = nearest
-    exported = BatchConfig(b, n, m)
+    exported = dataclasses.replace(config, batch_size=b, micro_batch_size=m)
     whole, rest = divmod(b // n, m)  # composer cuts micro-batches of m and a shorter last one
     # the same micro-batches as mbtune's even split exactly where the last is one short
     if framework == "composer" and rest and rest != m - 1:

@@ -181,7 +181,6 @@ class RunRecommendation:
     config: BatchConfig
     """The measured configuration (B, n, m, activation checkpointing)."""
     samples_per_s: float | None
-    pipeline_stages: int
     source: str
     """``summary.json`` or ``best ok trial``."""
     confidence: int | None = None
@@ -207,7 +206,6 @@ class RunRecommendation:
 
 def recommendation(trials: pd.DataFrame, info: RunInfo) -> RunRecommendation:
     """summary.json's ``recommended`` where the run wrote one, else the best ok trial."""
-    stages = int(trials["pipeline_stages"].iloc[0]) if len(trials) else 1
     summary = info.summary or {}
     rec = summary.get("recommended")
     if isinstance(rec, Mapping):
@@ -224,7 +222,6 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> RunRecommendation:
         return RunRecommendation(
             config=config,
             samples_per_s=float(speed) if isinstance(speed, int | float) else None,
-            pipeline_stages=stages,
             source=SUMMARY_FILE,
             precision=str(rec.get("precision") or "fp32"),
             confidence=int(confidence) if isinstance(confidence, int | float) else None,
@@ -240,7 +237,6 @@ def recommendation(trials: pd.DataFrame, info: RunInfo) -> RunRecommendation:
     return RunRecommendation(
         config=BatchConfig.from_mapping(best),
         samples_per_s=float(best["samples_per_s"]),
-        pipeline_stages=int(best["pipeline_stages"]),
         source="best ok trial",
         precision=str(precision) if isinstance(precision, str) and precision else "fp32",
     )

@@ -22,7 +22,7 @@ from mbtune.config.model_options import hf_model_type
 from mbtune.config.rules import ConfigError
 from mbtune.config.starter import write_starter
 from mbtune.errors import MbtuneError
-from mbtune.lattice import SETTINGS, BatchConfig
+from mbtune.lattice import LAYOUT, SETTINGS, BatchConfig, layout_rule
 from mbtune.report import experiment_lines, micro_batches, result_lines
 
 __all__ = ["main", "space_rows"]
@@ -82,8 +82,19 @@ def _init(args: argparse.Namespace) -> int:
 # validate
 
 
+def experiment(path: Any, overrides: Any = ()) -> Experiment:
+    """The experiment of a command: loaded, and where a layout splits its model, held to
+    Megatron's rules for the model's shape (mbtune.models.shape.with_shape)."""
+    exp = load_experiment(path, overrides)
+    if any(t * p > 1 for t, p, _ in exp.layouts()[0]):
+        from mbtune.models.shape import with_shape  # builds the model on the meta device
+
+        exp = with_shape(exp)
+    return exp
+
+
 def _validate(args: argparse.Namespace) -> int:
-    exp = load_experiment(args.experiment, args.overrides)
+    exp = experiment(args.experiment, args.overrides)
     check_user_model(exp)
     print(f"{args.experiment}: valid")
     for label, text in experiment_lines(exp):
@@ -109,7 +120,10 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
     activation_checkpointing, only where some configuration has it off its default)."""
     configs = exp.configs()
     default = BatchConfig(1, 1, 1)
-    quiet = [k for k in SETTINGS if all(getattr(c, k) == getattr(default, k) for c in configs)]
+    quiet = [k for k in (*SETTINGS, *LAYOUT) if all(getattr(c, k) == getattr(default, k)
+                                                    for c in configs)]  # fmt: skip
+    if "tensor_parallel" in quiet and "pipeline_parallel" in quiet:
+        quiet.append("data_parallel")  # n itself
     rows = []
     for c in configs:
         row = {
@@ -127,10 +141,13 @@ def space_rows(exp: Experiment) -> list[dict[str, Any]]:
 def _space(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    exp = load_experiment(args.experiment, args.overrides)
+    exp = experiment(args.experiment, args.overrides)
     rows = space_rows(exp)
     distinct = len(
-        {(r["batch_size"], r["num_devices"], r["runs_as"], *map(r.get, SETTINGS)) for r in rows}
+        {
+            (r["batch_size"], r["num_devices"], r["runs_as"], *map(r.get, (*SETTINGS, *LAYOUT)))
+            for r in rows
+        }  # fmt: skip
     )
     unused = exp.unused_values()  # the space's values that leave nothing, and why
     if args.format == "json":
@@ -163,11 +180,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.experiment or args.overrides or args.warm_start:
             raise MbtuneError("--resume: give only the run directory; it holds its experiment")
-        exp = load_experiment(RunDir.open(args.resume, flag="--resume").experiment_file)
+        exp = experiment(RunDir.open(args.resume, flag="--resume").experiment_file)
     elif not args.experiment:
         raise MbtuneError("run: give EXPERIMENT.yaml, or --resume RUN_DIR")
     else:
-        exp = load_experiment(args.experiment, args.overrides)
+        exp = experiment(args.experiment, args.overrides)
         check_user_model(exp)
     # Ray reads RAY_AUTH_MODE once, when it is imported, and mbtune.search imports it: the
     # cluster named here, and its token, come first
@@ -253,7 +270,7 @@ def _trial(args: argparse.Namespace) -> int:
     from mbtune.progress import one_trial
     from mbtune.trial.trial import run_trial
 
-    exp = load_experiment(args.experiment, args.overrides)
+    exp = experiment(args.experiment, args.overrides)
     config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
     if exp.trial.parallel == "ddp":  # its Ray Train run imports Ray: the cluster comes first
         from mbtune.cluster import prepare_ray
@@ -276,7 +293,7 @@ def _trial(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from mbtune.trial.predict import predict_memory, prediction_lines
 
-    exp = load_experiment(args.experiment, args.overrides)
+    exp = experiment(args.experiment, args.overrides)
     config = trial_config(exp, args.batch_size, args.num_devices, args.micro_batch_size)
     prediction = predict_memory(exp, config)
     if args.json:
@@ -301,8 +318,9 @@ def trial_config(
     given: dict[str, Any] = {key: value for key, (_, value) in flags.items() if value is not None}
     if micro is None and not isinstance(t.micro_batch_size, int):
         given["micro_batch_size"] = "none"
+    uneven = (t.allow_uneven or t.mode == "explore") and t.replicas == t.num_devices
     try:
-        own = dataclasses.replace(t, allow_uneven=t.allow_uneven or t.mode == "explore", **given)
+        own = dataclasses.replace(t, allow_uneven=uneven, **given)
     except ConfigError as e:
         # the experiment's own sizes are valid: a flag given broke the rule, the field's
         # own, else the device count or the batch that meets it (--num-devices 3)
@@ -313,7 +331,13 @@ def trial_config(
             raise
         raise ConfigError(blamed[0], e.rule) from None
     assert own.config is not None  # an int m or none: the mode fixes m
-    return own.config.with_settings(exp.trial.settings)
+    config = dataclasses.replace(own.config.with_settings(exp.trial.settings),
+                                 pipeline_schedule=exp.trial.pipeline_schedule)  # fmt: skip
+    why = layout_rule(config.num_devices, *config.layout, config.grad_accum_steps)
+    if why:
+        flag = "--micro-batch-size" if micro is not None else "trial.pipeline_schedule"
+        raise ConfigError(flag, why)
+    return config
 
 
 _COMMANDS = {

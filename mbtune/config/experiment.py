@@ -22,7 +22,14 @@ from mbtune.config.schema import ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import IntRange, SearchConfig, SpaceConfig
 from mbtune.config.train_input import TrainInput, lattice_rule, unused_values
 from mbtune.config.trial import TrialConfig, unsharded_rule
-from mbtune.lattice import MAX_CONFIGS, SETTINGS, BatchConfig
+from mbtune.lattice import (
+    MAX_CONFIGS,
+    SETTINGS,
+    BatchConfig,
+    ModelShape,
+    layout_rule,
+    model_rule,
+)
 
 __all__ = ["DEFAULT_NOISE_FLOOR", "Experiment"]
 
@@ -55,6 +62,10 @@ class Experiment:
     """Where run directories are made."""
     source: Path | None = None
     """The YAML file this came from (None when built in code)."""
+    model_shape: ModelShape | None = None
+    """The model's layers, heads and widths, for Megatron's rules on a layout that splits
+    it (mbtune.models.shape.with_shape sets it where a layout does); None: not known, and
+    only the arithmetic of the sizes is checked."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
@@ -67,6 +78,7 @@ class Experiment:
             raise ConfigError("trial.table", "the replay backend needs trial.table: a CSV path")
         if self.trial.parallel == "ddp":
             self._check_ddp()
+        self._check_layout()
         for key in ("reshard_after_forward", "grad_sync"):
             if key in self.search.space.settings and self.trial.sharding != "fsdp":
                 raise ConfigError(f"search.space.{key}", unsharded_rule(key, self.trial.sharding))
@@ -89,11 +101,35 @@ class Experiment:
                     "configurations",
                 )
 
+    def _check_layout(self) -> None:
+        """The user's own layout against Megatron's rules: its schedule's micro-batches,
+        and the model."""
+        t, tr = self.train_input, self.trial
+        user = self.user_config
+        why = user and layout_rule(user.num_devices, *user.layout, user.grad_accum_steps)
+        if why:
+            raise ConfigError("trial.pipeline_schedule", why)
+        if self.model_shape is None or t.tensor_parallel * t.pipeline_parallel == 1:
+            return
+        why = model_rule(t.tensor_parallel, t.pipeline_parallel, tr.pipeline_schedule,
+                         self.model_shape)  # fmt: skip
+        if why:
+            key = "tensor_parallel" if why.startswith("tensor") else "pipeline_parallel"
+            valid = [k for k in range(1, 65) if not model_rule(
+                *((k, 1) if key == "tensor_parallel" else (1, k)), tr.pipeline_schedule,
+                self.model_shape)]  # fmt: skip
+            raise ConfigError(
+                f"train_input.{key}",
+                f"{why}; valid {key} for this model: {', '.join(map(str, valid[:12]))}",
+            )
+
     def _check_ddp(self) -> None:
         """What ``trial.parallel: ddp`` cannot do."""
-        if self.train_input.pipeline_stages > 1:
+        t = self.train_input
+        if t.pipeline_parallel * t.tensor_parallel > 1 or self.layouts()[0] != [(1, 1, "1f1b")]:
             raise ConfigError(
-                "trial.parallel", "ddp does not run pipelines; use parallel: simulate"
+                "trial.parallel",
+                "ddp does not run tensor- or pipeline-parallel trials yet; use parallel: simulate",
             )
         if self.trial.backend == "replay":
             raise ConfigError(
@@ -147,7 +183,11 @@ class Experiment:
         user = self.train_input.config
         if user is None:
             return None
-        return user.with_settings(self.trial.settings)
+        with lattice_rule("trial.pipeline_schedule"):
+            return dataclasses.replace(
+                user.with_settings(self.trial.settings),
+                pipeline_schedule=self.trial.pipeline_schedule,
+            )
 
     @property
     def noise_floor(self) -> float:
@@ -162,8 +202,36 @@ class Experiment:
     # -- the lattice this experiment searches ------------------------------
 
     def configs(self) -> list[BatchConfig]:
-        """Every configuration the search may try (see lattice.enumerate_configs)."""
-        return _enumerate(self.train_input, self.search.space, self.trial.settings)
+        """Every configuration the search may try (see lattice.enumerate_configs), in the
+        layouts Megatron's rules allow the model (:meth:`layouts`)."""
+        return _enumerate(self.train_input, self.search.space, self.trial.settings,
+                          self.layouts()[0])  # fmt: skip
+
+    def layouts(self) -> tuple[list[tuple[int, int, str]], list[str]]:
+        """The (t, p, schedule) the space lists (train_input's and trial's where it lists
+        none) that split the model (all where its shape is not known), and a line for each
+        that does not, why."""
+        shape = self.model_shape
+        s, t = self.search.space, self.train_input
+        ts = _values(s.tensor_parallel) if s.tensor_parallel is not None else [t.tensor_parallel]
+        ps = (_values(s.pipeline_parallel) if s.pipeline_parallel is not None
+              else [t.pipeline_parallel])  # fmt: skip
+        schedules = s.pipeline_schedule or (self.trial.pipeline_schedule,)
+        kept: list[tuple[int, int, str]] = []
+        dropped: list[str] = []
+        for layout in dict.fromkeys(
+            (tp, pp, sched if pp > 1 else "1f1b")
+            for tp, pp, sched in itertools.product(ts, ps, schedules)
+        ):
+            why = model_rule(*layout, shape) if shape is not None else None
+            if why:
+                named = f"tensor_parallel {layout[0]}, pipeline_parallel {layout[1]}" + (
+                    f" ({layout[2]})" if layout[1] > 1 else ""
+                )
+                dropped.append(f"{named}: {why}")
+            else:
+                kept.append(layout)
+        return kept, dropped
 
     def unused_values(self, configs: list[BatchConfig] | None = None) -> list[str]:
         """Each value the space lists that leaves no valid configuration, and why, one line
@@ -171,12 +239,18 @@ class Experiment:
         space` say, and an empty space's error. ``configs``: :meth:`configs`, where the
         caller has them."""
         t, s = self.train_input, self.search.space
+        layouts, dropped = self.layouts()
+        dropped += [
+            f"{key} {value}: {why}"
+            for key, value, why in _unused_layout_values(s, layouts, self.configs()
+                                                          if configs is None else configs)
+        ]  # fmt: skip
         batch: int | tuple[int, int] = t.batch_size if s.batch_size is None else (
             (s.batch_size.min, s.batch_size.max)
             if isinstance(s.batch_size, IntRange)
             else s.batch_size
         )  # fmt: skip
-        return unused_values(
+        return dropped + unused_values(
             t,
             self.configs() if configs is None else configs,
             batch=batch,
@@ -197,7 +271,8 @@ class Experiment:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved experiment, as YAML would spell it (for the run directory)."""
+        """The resolved experiment, as YAML would spell it (for the run directory; the
+        model's shape is the model's, found again)."""
         return _plain(
             {
                 "name": self.name,
@@ -224,6 +299,33 @@ class Experiment:
         )
 
 
+def _unused_layout_values(
+    s: SpaceConfig, layouts: list[tuple[int, int, str]], configs: list[BatchConfig]
+) -> list[tuple[str, Any, str]]:
+    """(key, value, why) for each tensor_parallel, pipeline_parallel or pipeline_schedule
+    the space lists that the model takes (in ``layouts``) but no configuration has."""
+    found = []
+    for i, key in enumerate(("tensor_parallel", "pipeline_parallel")):
+        listed = getattr(s, key)
+        if listed is None:
+            continue
+        for value in _values(listed):
+            if any(c.layout[i] == value for c in configs) or all(
+                lay[i] != value for lay in layouts
+            ):
+                continue
+            found.append((key, value, "no num_devices of the space is a multiple of "
+                          "tensor_parallel x pipeline_parallel with it"))  # fmt: skip
+    for schedule in s.pipeline_schedule or ():
+        if any(lay[2] == schedule for lay in layouts) and not any(
+            c.pipeline_schedule == schedule for c in configs
+        ):
+            found.append(("pipeline_schedule", schedule, "no configuration has the "
+                          "micro-batches it needs (1f1b: g >= p, interleaved_1f1b: g a "
+                          "multiple of p, dualpipev: g >= 2p)"))  # fmt: skip
+    return found
+
+
 def _plan_dict(plan: PlanConfig) -> dict[str, Any]:
     """The plan section as YAML spells it: the fields it sets (a tier: the keys it sets)."""
     return {
@@ -233,10 +335,12 @@ def _plan_dict(plan: PlanConfig) -> dict[str, Any]:
     }
 
 
-def _enumerate(t: TrainInput, s: SpaceConfig, settings: tuple[Any, ...]) -> list[BatchConfig]:
-    """The lattice of (B, n, m), once per combination of the settings the space lists (the
-    trial's own ``settings`` for those it does not)."""
-    sizes = _enumerate_sizes(t, s)
+def _enumerate(
+    t: TrainInput, s: SpaceConfig, settings: tuple[Any, ...], layouts: list[tuple[int, int, str]]
+) -> list[BatchConfig]:
+    """The lattice of (B, n, m) and the ``layouts``, once per combination of the settings the
+    space lists (the trial's own ``settings`` for those it does not)."""
+    sizes = _enumerate_sizes(t, s, layouts)
     listed = s.settings
     choices = [listed.get(key, (own,)) for key, own in zip(SETTINGS, settings, strict=True)]
     combos = list(itertools.product(*choices))
@@ -249,7 +353,9 @@ def _enumerate(t: TrainInput, s: SpaceConfig, settings: tuple[Any, ...]) -> list
     return [c.with_settings(combo) for combo in combos for c in sizes]
 
 
-def _enumerate_sizes(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
+def _enumerate_sizes(
+    t: TrainInput, s: SpaceConfig, layouts: list[tuple[int, int, str]]
+) -> list[BatchConfig]:
     ns = _values(s.num_devices) if s.num_devices is not None else [t.num_devices]
     ms = _values(s.micro_batch_size) if s.micro_batch_size is not None else None
     batch_range = isinstance(s.batch_size, IntRange)
@@ -270,6 +376,7 @@ def _enumerate_sizes(t: TrainInput, s: SpaceConfig) -> list[BatchConfig]:
             micro_batch_sizes=ms,
             batch_range=batch_range,
             allow_uneven=t.allow_uneven,
+            layouts=layouts,
         )
 
 

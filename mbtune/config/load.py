@@ -13,6 +13,7 @@ YAML path, the rule, the value given and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
@@ -155,7 +156,7 @@ def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
     """Build a validated Experiment from the mapping a YAML file holds."""
     base = source.parent if source is not None else Path.cwd()
     _check_size(raw, str(source) if source is not None else "the experiment")
-    top = _Section(raw, "", _keys(Experiment, but=("source",)), what="the experiment")
+    top = _Section(raw, "", _keys(Experiment, but=("source", "model_shape")), what="the experiment")
     return _build(
         Experiment,
         top,
@@ -181,20 +182,43 @@ def _parse_model(raw: Any) -> ModelConfig:
 
 
 def _parse_train_input(raw: Any) -> TrainInput:
-    sec = _Section(raw, "train_input", ("num_csx", *_keys(TrainInput)))
-    if "num_csx" not in sec.data:
-        return _build(TrainInput, sec)
-    if "num_devices" in sec.data:
-        raise ConfigError(
-            "train_input.num_csx", "give num_devices or its Cerebras alias num_csx, not both"
-        )
-    sec.data["num_devices"] = sec.data.pop("num_csx")
+    sec = _Section(raw, "train_input", ("num_csx", "pipeline_stages", *_keys(TrainInput)))
+    alias = "num_csx" in sec.data
+    if alias:
+        if "num_devices" in sec.data:
+            raise ConfigError(
+                "train_input.num_csx", "give num_devices or its Cerebras alias num_csx, not both"
+            )
+        sec.data["num_devices"] = sec.data.pop("num_csx")
+    if "pipeline_stages" in sec.data:
+        _old_pipeline_stages(sec)
     try:
         return _build(TrainInput, sec)
     except ConfigError as e:  # name the key the file has
-        if e.where != "train_input.num_devices":
+        if not alias or e.where != "train_input.num_devices":
             raise
         raise ConfigError("train_input.num_csx", e.rule) from None
+
+
+def _old_pipeline_stages(sec: _Section) -> None:
+    """``pipeline_stages``, the old name of pipeline_parallel, read as it: its num_devices
+    counted the data-parallel devices alone, so the devices become n x p."""
+    if "pipeline_parallel" in sec.data:
+        raise ConfigError(
+            "train_input.pipeline_stages",
+            "give pipeline_parallel or its old name pipeline_stages, not both",
+        )
+    stages = sec.data.pop("pipeline_stages")
+    sec.data["pipeline_parallel"] = stages
+    devices = sec.data.get("num_devices", 1)
+    if _is(stages, int) and _is(devices, int) and stages > 1:
+        sec.data["num_devices"] = devices * stages
+        print(
+            f"mbtune: train_input.pipeline_stages {stages} is read as pipeline_parallel "
+            f"{stages} over num_devices {devices * stages} (num_devices now counts every "
+            "device: data-parallel replicas x stages)",
+            file=sys.stderr,
+        )
 
 
 def _parse_search(raw: Any, base: Path) -> SearchConfig:
@@ -259,7 +283,8 @@ def _parse_space(raw: Any, base: Path) -> SpaceConfig:
         raw = _safe_load(text, str(path))
     sec = _Section(raw, where, _keys(SpaceConfig, but=("source",)))
     converted: dict[str, Any] = {"source": source}
-    for key in ("num_devices", "micro_batch_size", "batch_size"):
+    for key in ("num_devices", "micro_batch_size", "batch_size", "tensor_parallel",
+                "pipeline_parallel"):  # fmt: skip
         value = sec.get(key)
         if isinstance(value, Mapping):
             with _under(f"{where}.{key}"):
@@ -270,6 +295,7 @@ def _parse_space(raw: Any, base: Path) -> SpaceConfig:
         ("activation_checkpointing", bool),
         ("reshard_after_forward", bool),
         ("grad_sync", str),
+        ("pipeline_schedule", str),
     ):
         value = sec.get(key)
         if kind is str:  # a choice, in any case (as a section's choices are read)

@@ -19,7 +19,15 @@ from mbtune.config.rules import (
     show,
 )
 from mbtune.config.train_input import lattice_rule
-from mbtune.lattice import GRAD_SYNCS, MAX_CONFIGS, SETTINGS, BatchConfig, GradSync
+from mbtune.lattice import (
+    GRAD_SYNCS,
+    MAX_CONFIGS,
+    PIPELINE_SCHEDULES,
+    SETTINGS,
+    BatchConfig,
+    GradSync,
+    PipelineSchedule,
+)
 
 __all__ = [
     "DEFAULT_SPACE",
@@ -78,13 +86,21 @@ class SpaceConfig:
     grad_sync: tuple[GradSync, ...] | None = None
     """``[last, every]`` searches reducing gradients once per step and in every
     micro-batch (mbtune.lattice.GradSync); needs ``trial.sharding: fsdp``."""
+    tensor_parallel: tuple[int, ...] | IntRange | None = None
+    """Tensor-parallel degrees t to try: a list or a {min, max} range; each runs on the
+    device counts t x p divides, where t divides the model's heads and MLP width."""
+    pipeline_parallel: tuple[int, ...] | IntRange | None = None
+    """Pipeline degrees p to try: a list or a {min, max} range; p x stages per rank must
+    divide the model's layers."""
+    pipeline_schedule: tuple[PipelineSchedule, ...] | None = None
+    """Pipeline schedules to try, e.g. ``[1f1b, interleaved_1f1b]`` (where p > 1)."""
     source: str = "inline"
     """Where the space came from: ``inline``, a name from search_spaces/, or a path."""
 
     _WHERE: ClassVar[str] = "search.space"
 
     def __post_init__(self) -> None:
-        for key in ("num_devices", "micro_batch_size"):
+        for key in ("num_devices", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):
             value, where = getattr(self, key), f"{self._WHERE}.{key}"
             if isinstance(value, tuple):
                 if not value:
@@ -102,6 +118,7 @@ class SpaceConfig:
             ("activation_checkpointing", (False, True)),
             ("reshard_after_forward", (True, False)),
             ("grad_sync", GRAD_SYNCS),
+            ("pipeline_schedule", PIPELINE_SCHEDULES),
         ):
             _check_choices(getattr(self, key), f"{self._WHERE}.{key}", choices)
 
@@ -152,11 +169,17 @@ class StartPoint:
     """Sharded: whether each block's parameters are freed after the forward pass."""
     grad_sync: GradSync = "last"
     """When the gradients are synchronised: ``last`` or ``every`` micro-batch."""
+    tensor_parallel: int = number(1)
+    """t: the devices each layer is split over."""
+    pipeline_parallel: int = number(1)
+    """p: pipeline stages."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """The pipeline's schedule (where p > 1)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
-        with lattice_rule(""):  # BatchConfig's own rules: B >= n
-            BatchConfig(self.batch_size, self.num_devices, self.micro_batch_size)
+        with lattice_rule(""):  # BatchConfig's own rules: B >= d, n % (t x p) == 0
+            self.config  # noqa: B018
 
     @property
     def config(self) -> BatchConfig:
@@ -167,6 +190,9 @@ class StartPoint:
             self.activation_checkpointing,
             self.reshard_after_forward,
             self.grad_sync,
+            self.tensor_parallel,
+            self.pipeline_parallel,
+            self.pipeline_schedule,
         )
 
 

@@ -7,6 +7,7 @@ the field that broke it (:func:`lattice_rule`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,43 +58,84 @@ class TrainInput:
     """Data-parallel devices n (YAML also accepts the Cerebras spelling ``num_csx``)."""
     allow_uneven: bool = False
     """Allow splits that differ by one sample where strict validity would refuse them."""
-    pipeline_stages: int = number(1)
-    """Pipeline stages p; p > 1 adds Megatron's bubble (p - 1) / micro-batches."""
+    tensor_parallel: int = number(1)
+    """t: the devices each layer's weights are split over (Megatron's tensor parallel);
+    num_devices = data-parallel replicas x t x pipeline_parallel."""
+    pipeline_parallel: int = number(1)
+    """p: pipeline stages, each on its own devices (the old name ``pipeline_stages`` is
+    still read); with micro-batches g a step idles (p - 1) / g of its time (1f1b)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train_input")
-        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        b, m = self.batch_size, self.micro_batch_size
+        t, p = self.tensor_parallel, self.pipeline_parallel
         fixed = m if isinstance(m, int) else None
         uneven_ok = self.allow_uneven or m == "explore"
-        if self.pipeline_stages > 1 and uneven_ok:  # first: what else it says assumes p = 1
+        split = t * p > 1
+        if self.num_devices % (t * p):
+            # a batch or micro-batch that no device count runs is the problem to name first
+            dataclasses.replace(self, num_devices=t * p * max(1, self.num_devices // (t * p)))
             raise ConfigError(
-                "train_input.pipeline_stages" if m == "explore" else "train_input.allow_uneven",
+                "train_input.num_devices",
+                f"num_devices {self.num_devices} is not a multiple of tensor_parallel {t} x "
+                f"pipeline_parallel {p} = {t * p}{self._devices_fix()}",
+            )
+        n = self.replicas  # the lattice's rules below are of the data-parallel replicas
+        if split and uneven_ok:  # first: what else it says assumes t = p = 1
+            key = "pipeline_parallel" if p > 1 else "tensor_parallel"
+            raise ConfigError(
+                f"train_input.{key}" if m == "explore" else "train_input.allow_uneven",
                 (
-                    f"pipeline_stages {self.pipeline_stages} cannot explore uneven micro-batches"
+                    f"{key} {getattr(self, key)} cannot explore uneven micro-batches"
                     if m == "explore"
-                    else "uneven splits cannot be pipelined: Megatron requires batch_size = "
-                    "num_devices x micro_batch_size x micro-batches"
+                    else "uneven splits cannot be split over a model's devices: Megatron "
+                    "requires batch_size = data-parallel replicas x micro_batch_size x "
+                    "micro-batches"
                 )
                 + f"; {self._even_pipeline_fix()}",
             )
-        # auto tries the divisors of P only, and a pipeline splits evenly: there
+        # auto tries the divisors of P only, and a split model splits evenly: there
         # allow_uneven makes no uneven split run, so no message offers it
-        offer_uneven = m != "auto" and self.pipeline_stages == 1
+        offer_uneven = m != "auto" and not split
         if b < n or (b % n and not uneven_ok):
             with lattice_rule("train_input.batch_size"):
                 check_batch_size(
-                    b, n, fixed, allow_uneven=uneven_ok and m != "auto", offer_uneven=offer_uneven
-                )
+                    b, n, fixed, allow_uneven=uneven_ok and m != "auto", offer_uneven=offer_uneven,
+                    split=t * p,
+                )  # fmt: skip
         if fixed is not None:
             with lattice_rule("train_input.micro_batch_size"):
                 check_micro_batch_size(
-                    b, n, fixed, allow_uneven=uneven_ok, offer_uneven=offer_uneven
+                    b, n, fixed, allow_uneven=uneven_ok, offer_uneven=offer_uneven, split=t * p
                 )
 
+    def _devices_fix(self) -> str:
+        """What makes num_devices a multiple of t x p: the device counts that run the
+        batch evenly (a split model's rule), or no split where the sizes run without one."""
+        b, m, k = (
+            self.batch_size,
+            self.micro_batch_size,
+            self.tensor_parallel * self.pipeline_parallel,
+        )
+        fixed = m if isinstance(m, int) else None
+        if not (self.allow_uneven or m == "explore"):
+            valid = [d * k for d in valid_num_devices(b, fixed)]
+            if valid:
+                for_m = f" and micro_batch_size {fixed}" if fixed else ""
+                return f"; valid num_devices for batch_size {b}{for_m}: " + ", ".join(
+                    map(str, valid)
+                )
+        return self._unsplit_fix(";")
+
+    @property
+    def replicas(self) -> int:
+        """d = num_devices / (t x p): the data-parallel replicas that share the batch."""
+        return self.num_devices // (self.tensor_parallel * self.pipeline_parallel)
+
     def _even_pipeline_fix(self) -> str:
-        """What makes an uneven-split mode valid with a pipeline: the even mode and sizes it
-        needs, or one stage where the sizes run unevenly."""
-        b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        """What makes an uneven-split mode valid with a split model: the even mode and sizes
+        it needs, or no split where the sizes run unevenly."""
+        b, n, m = self.batch_size, self.replicas, self.micro_batch_size
         fixed = m if isinstance(m, int) else None
         p = lattice.per_device_batch(b, n)
         even = b >= n and b % n == 0 and (fixed is None or p % fixed == 0)
@@ -102,9 +144,19 @@ class TrainInput:
         fix = "set " + " and ".join(changes)
         if not even:
             fix += f" with {nearest_batch_sizes_text(b, n, fixed)}"
-        if b >= n and (fixed is None or fixed <= p) and (m != "auto" or even):
-            fix += ", or set pipeline_stages: 1"
-        return fix
+        return fix + self._unsplit_fix(", or")
+
+    def _unsplit_fix(self, joint: str) -> str:
+        """'{joint} set tensor_parallel: 1 and pipeline_parallel: 1' where that alone makes
+        these sizes valid; else empty."""
+        try:
+            unsplit = dataclasses.replace(self, tensor_parallel=1, pipeline_parallel=1)
+        except ConfigError:
+            return ""
+        b, n = unsplit.batch_size, unsplit.num_devices
+        if unsplit.micro_batch_size == "auto" and b % n:  # auto runs even splits alone
+            return ""
+        return f"{joint} set tensor_parallel: 1 and pipeline_parallel: 1"
 
     @property
     def mode(self) -> str:
@@ -113,12 +165,15 @@ class TrainInput:
 
     @property
     def config(self) -> BatchConfig | None:
-        """The user's own (B, n, m), where the mode fixes m."""
+        """The user's own (B, n, m) and (t, p), where the mode fixes m (the pipeline's
+        schedule is the trial's: Experiment.user_config)."""
         b, n, m = self.batch_size, self.num_devices, self.micro_batch_size
+        layout = {"tensor_parallel": self.tensor_parallel,
+                  "pipeline_parallel": self.pipeline_parallel}  # fmt: skip
         if isinstance(m, int):
-            return BatchConfig(b, n, m)
+            return BatchConfig(b, n, m, **layout)
         if m == "none":
-            return BatchConfig(b, n, lattice.per_device_batch(b, n))
+            return BatchConfig(b, n, lattice.per_device_batch(b, self.replicas), **layout)
         return None
 
 
@@ -141,28 +196,31 @@ def nearest_batch_sizes_text(
 
 def check_batch_size(
     batch_size: int, num_devices: int, micro_batch_size: int | None = None, *,
-    allow_uneven: bool = False, offer_uneven: bool = False,
+    allow_uneven: bool = False, offer_uneven: bool = False, split: int = 1,
 ) -> None:  # fmt: skip
     """Raise LatticeError where B < n or, unless ``allow_uneven``, B % n != 0.
 
     The message names the rule, both numbers, and the nearest batch sizes (for B < n also
     the device counts) that satisfy every rule with the micro-batch size too (None: a mode
     chooses m). ``offer_uneven``: the caller may set allow_uneven; the message says so
-    where that alone makes these sizes valid.
+    where that alone makes these sizes valid. ``split``: t x p, the devices of one
+    data-parallel replica; ``num_devices`` then counts the replicas, d = n / (t x p).
     """
     b, n, m = batch_size, num_devices, micro_batch_size
+    them = _replicas_text(n, split)
     if b < n:
-        devices = _valid_devices_text(b, m, allow_uneven)
+        devices = _valid_devices_text(b, m, allow_uneven, split)
         raise LatticeError(
-            f"batch_size {b} is smaller than num_devices {n}: every device needs at least "
-            f"one sample; {nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)}"
+            f"batch_size {b} is smaller than {them}: every {'device' if split == 1 else 'replica'}"
+            f" needs at least one sample; "
+            f"{nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)}"
             + (f"; {devices}" if devices else "")
         )
     if b % n and not allow_uneven:
         uneven_runs = offer_uneven and (m is None or m <= per_device_batch(b, n))
-        devices = _valid_devices_text(b, m, False)
+        devices = _valid_devices_text(b, m, False, split)
         raise LatticeError(
-            f"batch_size {b} is not divisible by num_devices {n}; "
+            f"batch_size {b} is not divisible by {them}; "
             f"{nearest_batch_sizes_text(b, n, m)}"
             + (f"; {devices}" if devices else "")
             + _UNEVEN_HINT * uneven_runs
@@ -171,7 +229,7 @@ def check_batch_size(
 
 def check_micro_batch_size(
     batch_size: int, num_devices: int, micro_batch_size: int, *,
-    allow_uneven: bool = False, offer_uneven: bool = False,
+    allow_uneven: bool = False, offer_uneven: bool = False, split: int = 1,
 ) -> None:  # fmt: skip
     """Raise LatticeError where m > P or, unless ``allow_uneven``, P % m != 0; (B, n) has
     passed :func:`check_batch_size` with the same ``allow_uneven``.
@@ -184,7 +242,7 @@ def check_micro_batch_size(
     valid_b = nearest_batch_sizes_text(b, n, m, allow_uneven=allow_uneven)
     # with allow_uneven every m up to P runs; P can be 2**31: name the range, never list it
     valid_m = _span(p) if allow_uneven else ", ".join(map(str, valid_micro_batch_sizes(b, n)))
-    sizes = f"the per-device batch {p} (batch_size {b} / num_devices {n})"
+    sizes = f"the per-device batch {p} (batch_size {b} / {_replicas_text(n, split)})"
     if m > p:
         raise LatticeError(
             f"micro_batch_size {m} exceeds {sizes}; {valid_b}; valid micro_batch_size for "
@@ -200,15 +258,28 @@ def check_micro_batch_size(
 _UNEVEN_HINT = " (or set allow_uneven: true)"
 
 
-def _valid_devices_text(batch_size: int, micro_batch_size: int | None, allow_uneven: bool) -> str:
+def _replicas_text(replicas: int, split: int) -> str:
+    """'num_devices 4', or with a split model 'the 2 data-parallel replicas (num_devices 8 /
+    (tensor_parallel x pipeline_parallel 4))'."""
+    if split == 1:
+        return f"num_devices {replicas}"
+    return (
+        f"the {replicas} data-parallel replicas (num_devices {replicas * split} / "
+        f"(tensor_parallel x pipeline_parallel {split}))"
+    )
+
+
+def _valid_devices_text(
+    batch_size: int, micro_batch_size: int | None, allow_uneven: bool, split: int = 1
+) -> str:
     """The device counts that run ``batch_size`` with m (None: a mode chooses it), as a
-    phrase; empty where none does."""
+    phrase; empty where none does. ``split``: the devices of a replica (t x p)."""
     b, m = batch_size, micro_batch_size
     if allow_uneven:  # m <= ceil(B / n), that is n <= (B - 1) / (m - 1): a range from 1
         most = b if not m or m == 1 else min(b, (b - 1) // (m - 1))
         values = _span(most)
     else:
-        values = ", ".join(map(str, valid_num_devices(b, m)))
+        values = ", ".join(str(d * split) for d in valid_num_devices(b, m))
     for_m = f" and micro_batch_size {m}" if m else ""
     return f"valid num_devices for batch_size {b}{for_m}: {values}" if values else ""
 
@@ -272,7 +343,7 @@ def _device_reason(t: TrainInput, batch: int | tuple[int, int]) -> Callable[[int
         if b < n:
             return f"more devices than batch_size {b} has samples; {devices}"
         if b % n and not uneven:
-            runs = mode != "auto" and t.pipeline_stages == 1 and (fixed is None or fixed <= p)
+            runs = mode != "auto" and t.replicas == t.num_devices and (fixed is None or fixed <= p)
             return f"batch_size {b} does not split evenly over {{them}}; {devices}" + (
                 _UNEVEN_HINT * runs
             )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from mbtune.config.rules import ConfigError, check_fields, memory, number
-from mbtune.lattice import GRAD_SYNCS, GradSync
+from mbtune.lattice import GRAD_SYNCS, GradSync, PipelineSchedule
 
 __all__ = [
     "BACKENDS",
@@ -127,6 +127,11 @@ class TrialConfig:
     """``sharding: fsdp`` only: reduce-scatter the gradients once per step, in the last
     micro-batch's backward pass (``last``), or in every micro-batch's (``every``: less peak
     memory, more traffic); None: last. ``search.space.grad_sync`` searches over it instead."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """How a pipeline (``train_input.pipeline_parallel`` > 1) orders its micro-batches:
+    ``gpipe``, ``1f1b`` (the default), ``interleaved_1f1b``, ``zbv`` or ``dualpipev``
+    (mbtune.lattice.PipelineSchedule); ``search.space.pipeline_schedule`` searches over it
+    instead."""
     peak_tflops: float | None = number(None, positive=True)
     """The device's peak TFLOP/s for the trial's precision, for ``mfu``; None: from the
     table of known devices (mbtune.trial.flops), or no mfu where the device is not in it."""

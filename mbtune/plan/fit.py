@@ -80,11 +80,13 @@ _ANYTHING_SD = 2.0
 def observations(records: Sequence[TrialRecord]) -> list[Observation]:
     """The run's trials that ran ok, as the models read them (the one conversion,
     :func:`mbtune.recommend.confidence.observation`)."""
-    staged = [r for r in records if r.status == "ok" and (r.pipeline_stages or 1) > 1]
-    if staged:
+    split = [r for r in records if r.status == "ok" and r.config.layout[:2] != (1, 1)]
+    if split:
         raise MbtuneError(
-            f"plan: the run was pipelined (pipeline_stages {staged[0].pipeline_stages}); the "
-            "plan models data parallelism alone: plan a run measured with pipeline_stages: 1"
+            f"plan: the run split its model (tensor_parallel {split[0].tensor_parallel}, "
+            f"pipeline_parallel {split[0].pipeline_parallel}); the plan models data "
+            "parallelism alone: plan a run measured with tensor_parallel and "
+            "pipeline_parallel 1"
         )
     return [o for o in map(observation, records) if o.status == "ok" and o.samples_per_s]
 

@@ -78,8 +78,7 @@ def load_run(run_dir: str | Path) -> pd.DataFrame:
             f"RUN_DIR: {run.path} has no trials.csv yet: no trial of this run has finished"
         )
     trials = read_trials(run.trials_file)
-    stages = _experiment(run).train_input.pipeline_stages
-    frame = _typed_frame(trials.header, trials.records, stages, ranking(run.path))
+    frame = _typed_frame(trials.header, trials.records, ranking(run.path))
     frame.attrs["dropped_rows"] = trials.dropped
     return frame
 
@@ -109,15 +108,14 @@ def load_runs(run_dirs: Iterable[str | Path]) -> pd.DataFrame:
 def _typed_frame(
     header: Sequence[str],
     records: Sequence[TrialRecord],
-    pipeline_stages: int,
     ranked: Sequence[Mapping[str, Any]] = (),
 ) -> pd.DataFrame:
     """The records as the typed columns of COLUMNS (then a newer trials.csv's own, as
-    text); what an older run did not record is completed from the sizes and the
-    experiment (P, g, p), or its default."""
+    text); what an older run did not record is completed from the sizes (P, g), or its
+    default."""
     columns: dict[str, Any] = {}
     for c in record.COLUMNS:
-        values = [_completed(r, c.name, pipeline_stages) for r in records]
+        values = [_completed(r, c.name) for r in records]
         if c.kind == "int":
             columns[c.name] = pd.Series(values, dtype="int64")
         elif c.kind == "float":
@@ -157,22 +155,18 @@ def _model_columns(
     }
 
 
-_COMPLETED = ("per_device_batch", "grad_accum_steps", "pipeline_stages")
-"""Columns an older run may lack, which follow from the sizes and the experiment."""
+_COMPLETED = ("per_device_batch", "grad_accum_steps")
+"""Columns an older run may lack, which follow from the sizes."""
 
 
-def _completed(r: TrialRecord, name: str, pipeline_stages: int) -> Any:
-    """The record's value of column ``name``; where an older run did not record P, g or p,
-    what follows from the sizes and the experiment."""
+def _completed(r: TrialRecord, name: str) -> Any:
+    """The record's value of column ``name``; where an older run did not record P or g,
+    what follows from the sizes."""
     value = getattr(r, name)
     if value is not None or name not in _COMPLETED:
         return value
-    per_device = r.per_device_batch or -(-r.batch_size // r.num_devices)
-    return {
-        "per_device_batch": per_device,
-        "grad_accum_steps": -(-per_device // r.micro_batch_size),
-        "pipeline_stages": pipeline_stages,
-    }[name]
+    return {"per_device_batch": r.config.per_device_batch,
+            "grad_accum_steps": r.config.grad_accum_steps}[name]  # fmt: skip
 
 
 def _text(values: Sequence[str | None]) -> pd.Series:

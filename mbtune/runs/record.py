@@ -75,7 +75,11 @@ COLUMNS: tuple[Column, ...] = (
         "batch_size", "int", "samples",
         "B: global batch, samples per optimizer step, all devices together", searched=True,
     ),
-    Column("num_devices", "int", "devices", "n: data-parallel devices", searched=True),
+    Column(
+        "num_devices", "int", "devices",
+        "n: every device of the trial, data-parallel replicas x tensor_parallel x "
+        "pipeline_parallel", searched=True,
+    ),
     Column(
         "micro_batch_size", "int", "samples",
         "m: samples per forward/backward pass on one device, as measured (after halving on OOM)",
@@ -100,19 +104,34 @@ COLUMNS: tuple[Column, ...] = (
         searched=True,
     ),
     Column(
+        "tensor_parallel", "int", "devices",
+        "t: the devices each layer was split over (1: none; 1 in runs from before it was "
+        "recorded)", searched=True,
+    ),
+    Column(
+        "pipeline_parallel", "int", "stages",
+        "p: pipeline stages (1: no pipeline; a run's `pipeline_stages` from before it was "
+        "named so, its n then counted the data-parallel devices alone)", searched=True,
+    ),
+    Column(
+        "pipeline_schedule", "text", "",
+        "the pipeline's schedule: `gpipe`, `1f1b`, `interleaved_1f1b`, `zbv` or "
+        "`dualpipev`; `1f1b` without a pipeline", searched=True,
+    ),
+    Column(
         "repeat", "int", "",
         "0 for a configuration's first measurement in the run, 1, 2, ... for the search's "
         "further looks at it (0 in runs from before repeats)",
     ),
-    Column("per_device_batch", "int", "samples", "P = ceil(B / n)"),
+    Column("per_device_batch", "int", "samples",
+           "P = ceil(B / d): one data-parallel replica's batch, d = n / (t x p)"),
     Column("grad_accum_steps", "int", "passes", "g = ceil(P / m)"),
     Column(
         "micro_batches", "ints", "samples",
         "list of int: the micro-batches one device runs per step, e.g. [4, 4] or [3, 2, 2]",
     ),
-    Column("pipeline_stages", "int", "stages", "p (1 without a pipeline)"),
     Column(
-        "strict", "bool", "", "B % n == 0 and (B / n) % m == 0: every split is even",
+        "strict", "bool", "", "B % d == 0 and (B / d) % m == 0: every split is even",
         derived=True,
     ),
     Column(
@@ -139,7 +158,10 @@ COLUMNS: tuple[Column, ...] = (
         "comm_time_ms", "float", "ms",
         "gradient all-reduce per step (modelled with `parallel: simulate`)",
     ),
-    Column("bubble_time_ms", "float", "ms", "pipeline bubble per step"),
+    Column(
+        "bubble_time_ms", "float", "ms",
+        "pipeline bubble per step (modelled with `parallel: simulate`)",
+    ),
     Column("compile_s", "float", "s", "torch.compile time (never counted in the throughput)"),
     Column(
         "compile_fallback", "text", "",
@@ -217,7 +239,7 @@ CSV_COLUMNS: tuple[str, ...] = tuple(c.name for c in COLUMNS if not c.derived)
 CONFIG_KEY: tuple[str, ...] = tuple(c.name for c in COLUMNS if c.searched)
 """What names a configuration: every dimension the search varies (batch_size,
 num_devices, micro_batch_size, activation_checkpointing, reshard_after_forward,
-grad_sync). Two trials with the same values
+grad_sync, tensor_parallel, pipeline_parallel, pipeline_schedule). Two trials with the same values
 here measured the same configuration; analysis deduplicates, matches runs and keeps
 pivots and plot lines apart on it."""
 
@@ -246,11 +268,13 @@ class TrialRecord:
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
     grad_sync: str = "last"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     repeat: int = 0
     per_device_batch: int | None = None
     grad_accum_steps: int | None = None
     micro_batches: tuple[int, ...] = ()
-    pipeline_stages: int | None = None
     precision: str | None = None
     sharding: str | None = None
     samples_per_s: float | None = None
@@ -330,6 +354,11 @@ class TrialRecord:
         missing = [name for name in ("trial", *SIZES) if name not in values]
         if missing:
             raise ValueError(f"no whole number in {', '.join(missing)}")
+        stages = _whole((row.get("pipeline_stages") or "").strip())
+        if "pipeline_parallel" not in row and stages and stages > 1:
+            # a run from before the name: its n counted the data-parallel devices alone
+            values["pipeline_parallel"] = stages
+            values["num_devices"] *= stages
         values.setdefault("status", None)
         extras = tuple((k, v) for k, v in row.items() if k not in _CSV_NAMES and k is not None)
         return cls(**values, extras=extras)

@@ -294,7 +294,7 @@ def _predicted_record(exp: Experiment, config: BatchConfig, reason: str, trial: 
         **config.as_dict(), "micro_batches": config.micro_batch_sizes, "trial": trial,
         "status": "oom", "reason": reason, "objective": 0.0,
         "micro_batch_sizes_tried": [config.micro_batch_size],
-        "pipeline_stages": exp.train_input.pipeline_stages, "sharding": exp.trial.sharding,
+        "sharding": exp.trial.sharding,
         "backend": exp.trial.backend, "parallel": exp.trial.parallel,
         "note": "not measured: set search.predict_memory: false to measure it",
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

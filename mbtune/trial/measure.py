@@ -36,8 +36,9 @@ from typing import Any
 
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, ModelShape
 from mbtune.models.batch import split_batch
+from mbtune.models.shape import model_shape
 from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import Collectives
@@ -97,6 +98,13 @@ class Measurement:
     (mbtune.trial.trial.fsdp_sync_s); empty otherwise."""
     eval_s: float | None = None
     """A forward-only pass over the same micro-batches (``trial.eval``)."""
+    shape: ModelShape | None = None
+    """The model's layers and block width (mbtune.models.shape), from which a simulated
+    trial models its tensor-parallel and pipeline traffic."""
+    whole_model: bool = True
+    """The one process ran the whole model: a device of a tensor- or pipeline-parallel
+    configuration does 1 / (t x p) of its compute (modelled); False: it ran one device's
+    stage and shard."""
     peak_memory_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     """CUDA: the caching allocator's peak reservation."""
@@ -139,6 +147,7 @@ def measure(
         precision=precision.name,
         tokens_per_sample=spec.tokens_per_sample,
         peak_tflops=device_peak(device, precision.name, tr.peak_tflops),
+        shape=model_shape(spec.module),
     )
     try:
         timed = _timed_steps(exp, config, spec, precision, device, collectives, on_phase)

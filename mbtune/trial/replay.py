@@ -19,7 +19,7 @@ from typing import Any
 from mbtune.config.experiment import Experiment
 from mbtune.config.trial import STATUSES
 from mbtune.errors import MbtuneError
-from mbtune.lattice import SETTINGS, BatchConfig
+from mbtune.lattice import LAYOUT, SETTINGS, BatchConfig
 from mbtune.progress import PhaseHook
 from mbtune.trial.measure import Measurement, no_phase
 from mbtune.trial.memory import over_budget, reason_line
@@ -31,11 +31,12 @@ class ReplayTable:
     """Measured throughputs read from a CSV: batch_size, num_devices, micro_batch_size,
     samples_per_s, and optionally peak_memory_bytes, status, the settings of a step
     (activation_checkpointing and reshard_after_forward: true/false; grad_sync: last or
-    every; each value a configuration of its own, an empty cell the default) and precision
-    (what was measured). A trials.csv is such a table."""
+    every), the layout (tensor_parallel, pipeline_parallel, pipeline_schedule; each value a
+    configuration of its own, an empty cell the default) and precision (what was
+    measured). A trials.csv is such a table."""
 
     REQUIRED = ("batch_size", "num_devices", "micro_batch_size", "samples_per_s")
-    OPTIONAL = ("peak_memory_bytes", "status", *SETTINGS, "precision")
+    OPTIONAL = ("peak_memory_bytes", "status", *SETTINGS, *LAYOUT, "precision")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -85,7 +86,9 @@ class ReplayTable:
                 f"trial.table: {self.path} has no row for batch_size {config.batch_size}, "
                 f"num_devices {config.num_devices}, micro_batch_size {config.micro_batch_size}"
                 + "".join(
-                    f", {k} {str(v).lower()}" for k, v in config.sizes().items() if k in SETTINGS
+                    f", {k} {str(v).lower()}"
+                    for k, v in config.sizes().items()
+                    if k in SETTINGS or k in LAYOUT
                 )
                 + f"; it holds {len(self.rows)} configurations"
             )
@@ -130,6 +133,7 @@ def _step_noise_rng(seed: int, config: BatchConfig, repeat: int) -> random.Rando
     replayed trial is repeatable whatever ran before it, and a repeat draws afresh. A first
     measurement keeps the seed it always had (tests and benchmarks pin its step times)."""
     sizes = (seed, config.batch_size, config.num_devices, config.micro_batch_size)
+    sizes += tuple(v for k, v in config.sizes().items() if k in LAYOUT)  # where split
     return random.Random(hash((*sizes, repeat) if repeat else sizes))
 
 
@@ -144,6 +148,8 @@ def _drift(exp: Experiment, config: BatchConfig, repeat: int) -> float:
         f"drift/{exp.search.seed}/{config.batch_size}/{config.num_devices}/"
         f"{config.micro_batch_size}/{config.activation_checkpointing}/{repeat}"
         # sharded settings only where not the default: other tables keep their draws
-        + "".join(f"/{k}={v}" for k, v in config.sizes().items() if k in SETTINGS[1:])
+        + "".join(
+            f"/{k}={v}" for k, v in config.sizes().items() if k in SETTINGS[1:] or k in LAYOUT
+        )  # fmt: skip
     )
     return max(0.05, 1 + exp.trial.drift * rng.gauss(0, 1))

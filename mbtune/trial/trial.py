@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mbtune import lattice
-from mbtune.comm import step_traffic
+from mbtune.comm import pipeline_traffic, step_traffic, tensor_parallel_traffic
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
@@ -76,11 +76,13 @@ class TrialResult:
     """Sharded: whether each block's parameters were freed after its forward pass."""
     grad_sync: str = "last"
     """When the gradients were synchronised: ``last`` or ``every`` micro-batch."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
     per_device_batch: int
     grad_accum_steps: int
     micro_batches: tuple[int, ...] = ()
-    """The micro-batches one device runs per step, e.g. (4, 4) or (3, 2, 2)."""
-    pipeline_stages: int = 1
+    """The micro-batches one replica runs per step, e.g. (4, 4) or (3, 2, 2)."""
     precision: str | None = None
     """The arithmetic measured (``trial.precision`` resolved on the device): ``fp32``,
     ``tf32``, ``bf16`` or ``fp16``; None where nothing was measured."""
@@ -96,11 +98,12 @@ class TrialResult:
     compute_time_ms: float | None = None
     """Median time of the forward/backward passes and optimizer step on one device."""
     comm_time_ms: float = 0.0
-    """Ring all-reduce time per step (zero on one device): modelled with ``simulate``
-    (sharded: the step's all-gathers and reduce-scatters; mbtune.comm.step_traffic); with
-    ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
+    """A step's collectives (zero on one device): modelled with ``simulate`` (the
+    gradients' all-reduce, sharded the all-gathers and reduce-scatters, and with model
+    parallelism the tensor-parallel all-reduces and the pipeline's sends: mbtune.comm);
+    with ``ddp`` the median of standalone all-reduces of the gradient's bytes, measured."""
     bubble_time_ms: float = 0.0
-    """Modelled pipeline bubble per step (zero without pipeline stages)."""
+    """Modelled pipeline bubble per step (zero without a pipeline)."""
     compile_s: float | None = None
     """Compile time: first steps minus their share of steady-state time; None: not compiled."""
     compile_fallback: str | None = None
@@ -260,20 +263,17 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
     )
     if not measured.step_s:
         return base
-    stages, bubble_share, steps = 1, 0.0, list(measured.step_s)
+    share, bubble_share, steps = 1, 0.0, list(measured.step_s)
     if measured.comm_s is None:
-        stages = max(1, exp.train_input.pipeline_stages)
-        link = tr.link(measured.device)
-        # sharded: FSDP2's all-gathers and reduce-scatters; else the gradients' all-reduce
-        units = tuple((a // stages, b // stages) for a, b in measured.fsdp_units)
-        sharding = "fsdp" if units else "none"
-        traffic = step_traffic(config, grad_bytes=measured.grad_bytes // stages,
-                               sharding=sharding, units=units)  # fmt: skip
-        comm = traffic.seconds(*link)
+        share = config.tensor_parallel * config.pipeline_parallel if measured.whole_model else 1
+        comm = _modelled_comm_s(exp, measured, share)
         # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and
-        # the p - 1 fill/drain slots idle: bubble = (p - 1) / g of the ideal time
-        bubble_share = lattice.bubble_fraction(stages, config.grad_accum_steps)
-        steps = [c / stages * (1 + bubble_share) + comm for c in steps]
+        # the fill/drain slots idle: bubble = (p - 1) / g of the ideal time (1f1b; by
+        # schedule: lattice.bubble_fraction)
+        bubble_share = lattice.bubble_fraction(
+            config.pipeline_parallel, config.grad_accum_steps, config.pipeline_schedule
+        )
+        steps = [c / share * (1 + bubble_share) + comm for c in steps]
     else:
         comm = statistics.median(measured.comm_s) if measured.comm_s else 0.0
     compute = statistics.median(measured.compute_s) if measured.compute_s else None
@@ -292,13 +292,37 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
         peak_reserved_bytes=measured.peak_reserved_bytes,
         alloc_retries=measured.alloc_retries,
         tokens_per_s=result.samples_per_s * tokens if tokens else None,
-        compute_time_ms=compute / stages * 1e3 if compute is not None else None,
+        compute_time_ms=compute / share * 1e3 if compute is not None else None,
         comm_time_ms=comm * 1e3,
-        bubble_time_ms=compute / stages * bubble_share * 1e3 if compute is not None else 0.0,
+        bubble_time_ms=compute / share * bubble_share * 1e3 if compute is not None else 0.0,
         compile_s=max(0.0, measured.first_s - compute) if compiled else None,
         compile_fallback=measured.compile_fallback,
         eval_samples_per_s=config.batch_size / measured.eval_s if measured.eval_s else None,
     )
+
+
+def _modelled_comm_s(exp: Experiment, measured: Measurement, share: int) -> float:
+    """The collectives of one device's step where one process stood for every device
+    (mbtune.comm): the data-parallel sync of its stage's and shard's gradients (sharded:
+    FSDP2's, unit by unit), and with model parallelism the tensor-parallel all-reduces and
+    the pipeline's sends of its blocks' activations."""
+    config, shape = measured.config, measured.shape
+    units = tuple((a // share, b // share) for a, b in measured.fsdp_units)
+    traffic = step_traffic(config, grad_bytes=measured.grad_bytes // share,
+                           sharding="fsdp" if units else "none", units=units)  # fmt: skip
+    if share > 1 or not measured.whole_model:
+        if shape is None or shape.hidden is None or shape.layers is None:
+            raise MbtuneError(
+                "trial.parallel: simulate models a split model's traffic from its block width "
+                "and layers, which this model does not say; set its mbtune_shape (docs/"
+                "model_parallel.md) or use trial.parallel: ddp"
+            )
+        itemsize = 2 if measured.precision in ("bf16", "fp16") else 4
+        activation = (measured.tokens_per_sample or 1) * shape.hidden * itemsize
+        traffic += tensor_parallel_traffic(
+            config, layers=shape.layers / config.pipeline_parallel, activation_bytes=activation
+        ) + pipeline_traffic(config, activation_bytes=activation)
+    return traffic.seconds(*exp.trial.link(measured.device))
 
 
 def _base_result(
@@ -312,10 +336,12 @@ def _base_result(
         activation_checkpointing=config.activation_checkpointing,
         reshard_after_forward=config.reshard_after_forward,
         grad_sync=config.grad_sync,
+        tensor_parallel=config.tensor_parallel,
+        pipeline_parallel=config.pipeline_parallel,
+        pipeline_schedule=config.pipeline_schedule,
         per_device_batch=config.per_device_batch,
         grad_accum_steps=config.grad_accum_steps,
         micro_batches=tuple(config.micro_batch_sizes),
-        pipeline_stages=exp.train_input.pipeline_stages,
         device=device,
         backend=exp.trial.backend,
         parallel=exp.trial.parallel,
