@@ -116,6 +116,57 @@ def test_validate_and_space_name_a_device_count_that_leaves_nothing(capsys):
     assert code == 0 and "not searched" not in out
 
 
+def test_space_keeps_megatrons_rules_for_the_models_shape(capsys):
+    """The quickstart's GPT has 2 layers and 4 heads: t 3 and the 2-stage-per-rank
+    schedules at p 2 cannot split it, nor can a device count that t x p does not divide."""
+    sets = ("--set", "search.space.num_devices=[1,2,3,4]",
+            "--set", "search.space.tensor_parallel=[1,2,3]",
+            "--set", "search.space.pipeline_parallel=[1,2]",
+            "--set", "search.space.pipeline_schedule=[1f1b,interleaved_1f1b]")  # fmt: skip
+    code, out, _ = run(capsys, "space", QUICKSTART, *sets, "--format", "json")
+    assert code == 0
+    shown = json.loads(out)
+    layouts = {(c["num_devices"], c["tensor_parallel"], c["pipeline_parallel"],
+                c.get("pipeline_schedule", "1f1b")) for c in shown["configurations"]}  # fmt: skip
+    assert layouts == {(1, 1, 1, "1f1b"), (2, 1, 1, "1f1b"), (2, 2, 1, "1f1b"),
+                       (2, 1, 2, "1f1b"), (4, 1, 1, "1f1b"),
+                       (4, 2, 1, "1f1b"), (4, 1, 2, "1f1b"), (4, 2, 2, "1f1b")}  # fmt: skip
+    for c in shown["configurations"]:  # 1f1b: at least p micro-batches of each replica
+        assert c["grad_accum_steps"] >= c["pipeline_parallel"]
+        assert c["data_parallel"] * c["tensor_parallel"] * c["pipeline_parallel"] == c[
+            "num_devices"
+        ]
+    assert shown["not_searched"] == [
+        "pipeline_parallel 2 with interleaved_1f1b: pipeline_parallel 2 x 2 stages per rank "
+        "(interleaved_1f1b) = 4 stages does not divide the model's 2 layers",
+        "tensor_parallel 3: tensor_parallel 3 does not divide the model's 4 attention heads",
+        "num_devices 3: batch_size 32 does not split evenly over 3 devices; valid num_devices "
+        "for batch_size 32: 1, 2, 4, 8, 16, 32",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sets", "line"),
+    [
+        (["train_input.num_devices=3", "train_input.tensor_parallel=3"],
+         "train_input.tensor_parallel: tensor_parallel 3 does not divide the model's 4 "
+         "attention heads; valid tensor_parallel for this model: 1, 2, 4"),
+        (["train_input.num_devices=2", "train_input.pipeline_parallel=2",
+          "trial.pipeline_schedule=zbv"],
+         "train_input.pipeline_parallel: pipeline_parallel 2 x 2 stages per rank (zbv) = 4 "
+         "stages does not divide the model's 2 layers; valid pipeline_parallel for this "
+         "model: 1"),
+        (["train_input.num_devices=2", "train_input.pipeline_parallel=2",
+          "train_input.micro_batch_size=16", "trial.pipeline_schedule=dualpipev"],
+         "trial.pipeline_schedule: dualpipev with pipeline_parallel 2 needs at least 4 "
+         "micro-batches per step, and this configuration has 2"),
+    ],
+)  # fmt: skip
+def test_a_layout_the_model_cannot_take_exits_2_naming_the_field(capsys, sets, line):
+    code, out, err = run(capsys, "validate", QUICKSTART, *(a for s in sets for a in ("--set", s)))
+    assert code == 2 and out == "" and err == f"mbtune: error: {line}\n"
+
+
 def test_set_overrides_work_on_every_command(capsys):
     code, out, _ = run(
         capsys, "space", QUICKSTART, "--format", "json",

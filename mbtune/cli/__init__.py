@@ -84,13 +84,14 @@ def _init(args: argparse.Namespace) -> int:
 
 def experiment(path: Any, overrides: Any = ()) -> Experiment:
     """The experiment of a command: loaded, and where a layout splits its model, held to
-    Megatron's rules for the model's shape (mbtune.models.shape.with_shape)."""
-    exp = load_experiment(path, overrides)
-    if any(t * p > 1 for t, p, _ in exp.layouts()[0]):
-        from mbtune.models.shape import with_shape  # builds the model on the meta device
+    Megatron's rules for the model's shape (built on the meta device, only then)."""
 
-        exp = with_shape(exp)
-    return exp
+    def shape_of(model: Any) -> Any:
+        from mbtune.models.shape import shape_of  # torch
+
+        return shape_of(model)
+
+    return load_experiment(path, overrides, shape_of=shape_of)
 
 
 def _validate(args: argparse.Namespace) -> int:

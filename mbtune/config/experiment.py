@@ -64,8 +64,8 @@ class Experiment:
     """The YAML file this came from (None when built in code)."""
     model_shape: ModelShape | None = None
     """The model's layers, heads and widths, for Megatron's rules on a layout that splits
-    it (mbtune.models.shape.with_shape sets it where a layout does); None: not known, and
-    only the arithmetic of the sizes is checked."""
+    it (mbtune.models.shape.shape_of; ``load_experiment(..., shape_of=...)`` finds it where
+    a layout does); None: not known, and only the arithmetic of the sizes is checked."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
@@ -224,14 +224,14 @@ class Experiment:
             for tp, pp, sched in itertools.product(ts, ps, schedules)
         ):
             why = model_rule(*layout, shape) if shape is not None else None
-            if why:
-                named = f"tensor_parallel {layout[0]}, pipeline_parallel {layout[1]}" + (
-                    f" ({layout[2]})" if layout[1] > 1 else ""
-                )
+            if why:  # named by the value that breaks the rule: once for every layout with it
+                tp, pp, sched = layout
+                named = (f"tensor_parallel {tp}" if why.startswith("tensor_parallel")
+                         else f"pipeline_parallel {pp} with {sched}")  # fmt: skip
                 dropped.append(f"{named}: {why}")
             else:
                 kept.append(layout)
-        return kept, dropped
+        return kept, list(dict.fromkeys(dropped))
 
     def unused_values(self, configs: list[BatchConfig] | None = None) -> list[str]:
         """Each value the space lists that leaves no valid configuration, and why, one line
@@ -250,11 +250,21 @@ class Experiment:
             if isinstance(s.batch_size, IntRange)
             else s.batch_size
         )  # fmt: skip
+        ns = _values(s.num_devices) if s.num_devices is not None else None
+        splits = sorted({tp * pp for tp, pp, _ in layouts})
+        if ns is not None and splits != [1]:  # a count no layout divides: that is why
+            undivided = [n for n in ns if all(n % k for k in splits)]
+            ns = [n for n in ns if n not in undivided] or None
+            dropped += [
+                f"num_devices {n}: not a multiple of tensor_parallel x pipeline_parallel "
+                f"({', '.join(map(str, splits))})"
+                for n in undivided
+            ]
         return dropped + unused_values(
             t,
             self.configs() if configs is None else configs,
             batch=batch,
-            num_devices=_values(s.num_devices) if s.num_devices is not None else None,
+            num_devices=ns,
             micro_batch_sizes=(
                 s.micro_batch_size if isinstance(s.micro_batch_size, tuple) else None
             ),

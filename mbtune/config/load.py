@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -29,6 +29,7 @@ from mbtune.config.schema import LinkTier, ModelConfig, PlanConfig, RayConfig
 from mbtune.config.search import IntRange, SearchConfig, SpaceConfig, StartPoint
 from mbtune.config.train_input import TrainInput
 from mbtune.config.trial import TrialConfig
+from mbtune.lattice import ModelShape
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -40,7 +41,12 @@ __all__ = [
     "apply_overrides",
     "load_experiment",
     "parse_experiment",
+    "ShapeOf",
 ]
+
+ShapeOf = Callable[[ModelConfig], ModelShape]
+"""How a model's shape is found (mbtune.models.shape.shape_of: the config room builds no
+model)."""
 
 SEARCH_SPACES_DIR = resources.files("mbtune.search_spaces")
 """The named search spaces: search_spaces/*.yaml at the repository's top level, installed as
@@ -56,8 +62,12 @@ MAX_YAML_DEPTH = 50
 # reading files
 
 
-def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experiment:
-    """Read an experiment YAML (safe loader only), apply ``--set`` overrides, validate."""
+def load_experiment(
+    path: str | Path, overrides: Sequence[str] = (), *, shape_of: ShapeOf | None = None
+) -> Experiment:
+    """Read an experiment YAML (safe loader only), apply ``--set`` overrides, validate.
+    ``shape_of``: how to find the model's shape (mbtune.models.shape.shape_of), called where
+    a layout splits the model, so that Megatron's rules hold the experiment from the start."""
     path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8")
@@ -73,7 +83,7 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
         raise ConfigError("", f"cannot read {show(str(path))}: {e}") from None
     raw = _safe_load(text, str(path))
     raw = apply_overrides(raw, overrides)
-    return parse_experiment(raw, source=path)
+    return parse_experiment(raw, source=path, shape_of=shape_of)
 
 
 def _safe_load(text: str, where: str) -> Any:
@@ -152,18 +162,29 @@ def apply_overrides(raw: Any, overrides: Sequence[str]) -> Any:
 # YAML to dataclasses
 
 
-def parse_experiment(raw: Any, *, source: Path | None = None) -> Experiment:
-    """Build a validated Experiment from the mapping a YAML file holds."""
+def parse_experiment(
+    raw: Any, *, source: Path | None = None, shape_of: ShapeOf | None = None
+) -> Experiment:
+    """Build a validated Experiment from the mapping a YAML file holds (``shape_of``: as
+    :func:`load_experiment`'s)."""
     base = source.parent if source is not None else Path.cwd()
     _check_size(raw, str(source) if source is not None else "the experiment")
     top = _Section(raw, "", _keys(Experiment, but=("source", "model_shape")), what="the experiment")
+    model = _parse_model(top.get("model", required=True))
+    train_input = _parse_train_input(top.get("train_input", required=True))
+    search = _parse_search(top.get("search"), base)
+    space = search.space
+    split = train_input.tensor_parallel * train_input.pipeline_parallel > 1 or any(
+        v is not None and (v != (1,)) for v in (space.tensor_parallel, space.pipeline_parallel)
+    )
     return _build(
         Experiment,
         top,
         name=top.get("name", default=source.stem if source else None, required=source is None),
-        model=_parse_model(top.get("model", required=True)),
-        train_input=_parse_train_input(top.get("train_input", required=True)),
-        search=_parse_search(top.get("search"), base),
+        model=model,
+        train_input=train_input,
+        search=search,
+        model_shape=shape_of(model) if split and shape_of is not None else None,
         trial=_build(
             TrialConfig, _Section(top.get("trial"), "trial", _keys(TrialConfig)), base=base
         ),

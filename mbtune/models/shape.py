@@ -15,7 +15,7 @@ from mbtune.config.model_options import ModelError
 from mbtune.config.schema import ModelConfig
 from mbtune.lattice import ModelShape
 
-__all__ = ["SHAPE_ATTR", "model_shape", "shape_of", "with_shape"]
+__all__ = ["SHAPE_ATTR", "model_shape", "shape_of"]
 
 SHAPE_ATTR = "mbtune_shape"
 """The attribute a user model sets to its shape: a ModelShape or a mapping of its fields
@@ -74,12 +74,3 @@ def _declared(value: Any) -> ModelShape:
             f"{', '.join(sorted(names))}, got {value!r}"
         )
     return ModelShape(**value)
-
-
-def with_shape(exp: Any) -> Any:
-    """``exp`` with its model's shape (``Experiment.model_shape``) where a layout of its
-    space splits the model (Megatron's rules need it; validated again with it: a layout
-    the model cannot take is a ConfigError naming the field); ``exp`` itself otherwise."""
-    if exp.model_shape is not None or all(t == p == 1 for t, p, _ in exp.layouts()[0]):
-        return exp
-    return dataclasses.replace(exp, model_shape=shape_of(exp.model))
