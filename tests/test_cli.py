@@ -133,9 +133,9 @@ def test_space_keeps_megatrons_rules_for_the_models_shape(capsys):
                        (4, 2, 1, "1f1b"), (4, 1, 2, "1f1b"), (4, 2, 2, "1f1b")}  # fmt: skip
     for c in shown["configurations"]:  # 1f1b: at least p micro-batches of each replica
         assert c["grad_accum_steps"] >= c["pipeline_parallel"]
-        assert c["data_parallel"] * c["tensor_parallel"] * c["pipeline_parallel"] == c[
-            "num_devices"
-        ]
+        assert (
+            c["data_parallel"] * c["tensor_parallel"] * c["pipeline_parallel"] == c["num_devices"]
+        )
     assert shown["not_searched"] == [
         "pipeline_parallel 2 with interleaved_1f1b: pipeline_parallel 2 x 2 stages per rank "
         "(interleaved_1f1b) = 4 stages does not divide the model's 2 layers",
