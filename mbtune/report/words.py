@@ -1,0 +1,116 @@
+"""How mbtune names a configuration, one way everywhere: its sizes and layout
+(:func:`sizes`: 'num_devices 2, batch_size 64, micro_batch_size 8'), how it computes
+(:func:`step_suffix`: ', bf16, with activation checkpointing'), how it splits into
+micro-batches (:func:`micro_batches`: '4x8', '3+2+2', and the sentences built on it,
+:func:`devices_split` and :func:`per_device_split`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mbtune.lattice import BatchConfig
+
+__all__ = [
+    "devices_split",
+    "layout",
+    "micro_batches",
+    "per_device_split",
+    "plural",
+    "sizes",
+    "step_suffix",
+    "value_text",
+]
+
+
+def sizes(config: BatchConfig) -> str:
+    """The sizes that name a configuration, in the order of trials.csv's columns, and its
+    layout where it splits the model: 'num_devices 8, tensor_parallel 2, pipeline_parallel 2
+    (1f1b), batch_size 64, micro_batch_size 4'."""
+    return (
+        f"num_devices {config.num_devices}{layout(config, ' ')}, batch_size {config.batch_size}, "
+        f"micro_batch_size {config.micro_batch_size}"
+    )
+
+
+def layout(config: BatchConfig, sep: str) -> str:
+    """', tensor_parallel 2, pipeline_parallel 2 (1f1b)' (``sep`` between a key and its
+    value: ' ' or ': '), only what splits the model; empty where nothing does."""
+    t, p, schedule = config.layout
+    return f", tensor_parallel{sep}{t}" * (t > 1) + (
+        f", pipeline_parallel{sep}{p} ({schedule})" if p > 1 else ""
+    )
+
+
+def plural(count: int, word: str, suffix: str = "s") -> str:
+    return f"{count} {word}{suffix if count != 1 else ''}"
+
+
+def micro_batches(config: BatchConfig) -> str:
+    """The micro-batches one device runs: '4x8', '3+2+2', or '1000x3+24x2' for many.
+
+    Computed from (P, g) rather than from the list of sizes, which a configuration such as
+    batch_size 2**31 at micro_batch_size 1 would make billions of items long.
+    """
+    g = config.grad_accum_steps
+    q, r = divmod(config.per_device_batch, g)
+    if r == 0:
+        return f"{g}x{q}"
+    if g <= 8:
+        return "+".join(map(str, [q + 1] * r + [q] * (g - r)))
+    return f"{r}x{q + 1}+{g - r}x{q}"
+
+
+def _even_or_listed(config: BatchConfig, even: str) -> str:
+    """``even`` (a phrase of g and the size q) where the micro-batches are all one size,
+    else :func:`micro_batches`."""
+    g = config.grad_accum_steps
+    q, r = divmod(config.per_device_batch, g)
+    return even.format(g=g, q=q) if r == 0 else micro_batches(config)
+
+
+def devices_split(config: BatchConfig) -> str:
+    """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8'."""
+    g = config.grad_accum_steps
+    return (
+        f"{plural(config.num_devices, 'device')} x {plural(g, 'micro-batch', 'es')} of "
+        + _even_or_listed(config, "{q}")
+    )
+
+
+def per_device_split(config: BatchConfig) -> str:
+    """What one device computes, e.g. 'per device 16 samples as 2 x 8', or where the
+    devices differ by a sample, 'per device 17 or 16 samples, the busiest as 5+4+4+4'."""
+    runs = _even_or_listed(config, "{g} x {q}")
+    b, n = config.batch_size, config.num_devices
+    if b % n:
+        return f"per device {b // n + 1} or {b // n} samples, the busiest as {runs}"
+    return f"per device {b // n} samples as {runs}"
+
+
+def step_suffix(
+    precision: str | None,
+    activation_checkpointing: bool,
+    reshard_after_forward: bool = True,
+    grad_sync: str = "last",
+    *,
+    sharding: str | None = None,
+) -> str:
+    """How a step computes, to follow a configuration's sizes (its settings, in the order
+    of ``BatchConfig.settings``): ', bf16, with activation checkpointing', and, sharded,
+    ', reshard_after_forward false, grad_sync every'. A setting at its default is not named
+    (so that a configuration without them reads as it always has), unless ``sharding`` is
+    ``fsdp``: then both of FSDP's are, ', fsdp, reshard_after_forward true, grad_sync last'."""
+    words = [precision] if precision else []
+    if activation_checkpointing:
+        words.append("with activation checkpointing")
+    fsdp = sharding == "fsdp"
+    words += ["fsdp"] * fsdp
+    if fsdp or not reshard_after_forward:
+        words.append(f"reshard_after_forward {str(reshard_after_forward).lower()}")
+    if fsdp or grad_sync != "last":
+        words.append(f"grad_sync {grad_sync}")
+    return "".join(f", {w}" for w in words)
+
+
+def value_text(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
