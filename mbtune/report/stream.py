@@ -78,9 +78,10 @@ def summary_lines(
         best.get("precision"), *BatchConfig.from_mapping(best).settings, sharding=sharding
     )
     mfu = f" (MFU {best['mfu']:.0%})" if best.get("mfu") is not None else ""
+    split = layout(BatchConfig.from_mapping(best), " ")
     lines.append(
         f"recommended: micro_batch_size {best['micro_batch_size']}, num_devices "
-        f"{best['num_devices']}, batch_size {best['batch_size']}{step} (grad_accum_steps "
+        f"{best['num_devices']}{split}, batch_size {best['batch_size']}{step} (grad_accum_steps "
         f"{best['grad_accum_steps']}): {best['samples_per_s']:,.1f} samples/s{mfu}, "
         f"{summary['speedup_over_base']:.2f}x base{user}, confidence score "
         f"{summary['confidence']} (out of 100)"
@@ -138,15 +139,21 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     """The best configurations, ranked as the recommendation ranks them: by the search
     model's estimate (``estimated``), which pools every look and what the neighbours say,
     beside the measured samples/s (every look's geometric mean)."""
-    lines = [f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  "
-             f"{'micro_batch_size':>16}  {'grad_accum':>10}  {'samples/s':>10}  "
-             f"{'estimated':>10}  {'compile_s':>9}"]  # fmt: skip
-    for i, r in enumerate(top, start=1):
+    configs = [BatchConfig.from_mapping(r) for r in top]
+    split = any(c.layout[:2] != (1, 1) for c in configs)  # then a column: t x p (schedule)
+    lines = [f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>14}  " * split
+             + f"{'batch_size':>10}  {'micro_batch_size':>16}  {'grad_accum':>10}  "
+             f"{'samples/s':>10}  {'estimated':>10}  {'compile_s':>9}"]  # fmt: skip
+    for i, (r, c) in enumerate(zip(top, configs, strict=True), start=1):
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         estimate = r.get("estimated_samples_per_s")
         estimated = f"{estimate:,.1f}" if estimate is not None else "-"
+        t, p, schedule = c.layout
+        tp = f"{t}x{p}" + f" {schedule}" * (p > 1)
         lines.append(
-            f"  {i:>4}  {r['num_devices']:>11}  {r['batch_size']:>10}  "
+            f"  {i:>4}  {r['num_devices']:>11}  "
+            + f"{tp:>14}  " * split
+            + f"{r['batch_size']:>10}  "
             f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
             f"{r['samples_per_s']:>10,.1f}  {estimated:>10}  {compile_s:>9}"
         )
