@@ -13,7 +13,7 @@ from mbtune.cli import main
 from mbtune.comm import Link, step_traffic, two_tier_s
 from mbtune.config.load import parse_experiment
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, ModelShape, layout_rule
 from mbtune.plan.load import plan_run
 from mbtune.plan.planner import Interval, make_plan
 from mbtune.runs.rundir import read_trials
@@ -148,6 +148,7 @@ def test_every_row_s_hours_device_hours_and_cost_follow_from_samples_per_s(tmp_p
     for row in [*report["rows"], report["fastest"], report["cheapest"], report["cheapest_within"]]:
         assert set(row) == {"num_devices", "batch_size", "micro_batch_size",
                             "activation_checkpointing", "reshard_after_forward", "grad_sync",
+                            "tensor_parallel", "pipeline_parallel", "pipeline_schedule",
                             "confidence", "samples_per_s", "hours", "device_hours",
                             "cost"}  # fmt: skip
         assert 0 <= row["confidence"] <= 99
@@ -412,9 +413,10 @@ def test_the_plan_as_a_data_frame_holds_every_configuration_considered(tmp_path)
     run = exact_run(tmp_path, micro={"min": 1, "max": 16})
     plan = plan_of(run)
     frame = plan.as_frame()
-    assert list(frame.columns[:9]) == [
+    assert list(frame.columns[:12]) == [
         "num_devices", "batch_size", "micro_batch_size", "activation_checkpointing",
-        "reshard_after_forward", "grad_sync", "best", "confidence", "samples",
+        "reshard_after_forward", "grad_sync", "tensor_parallel", "pipeline_parallel",
+        "pipeline_schedule", "best", "confidence", "samples",
     ]  # fmt: skip
     assert frame["confidence"].notna().eq(frame["best"]).all()
     # one row per planned device count and configuration of the space: its micro-batch
@@ -694,3 +696,189 @@ def test_a_plan_of_a_single_draw_is_its_point_estimate(tmp_path):
     for draws in (0, 1):
         row = plan_of(run, draws=draws).rows[0]
         assert row.samples_per_s.low <= row.samples_per_s.value <= row.samples_per_s.high
+
+
+# -- layouts: tensor and pipeline parallelism ---------------------------------------
+
+SHAPE = ModelShape(layers=8, heads=8, kv_heads=8, mlp_width=4096, hidden=1024)
+TOKENS = 128
+"""One sample's tokens: a sample's activations between blocks are 128 x 1024 x 4 bytes."""
+LAYOUTS = ((1, 1, "1f1b"), (2, 1, "1f1b"), (1, 2, "1f1b"), (2, 2, "1f1b"),
+           (1, 2, "interleaved_1f1b"))  # fmt: skip
+
+
+def ring_s(nbytes, n, link):
+    """A ring all-reduce of ``nbytes`` over n devices on ``link`` (bytes/s, s a hop)."""
+    bandwidth, latency = link
+    return 0.0 if n == 1 else 2 * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
+
+
+def tier(n, members_per_node):
+    """A ring of n devices, ``members_per_node`` of them to a node: within one node the
+    intra-node link, else the slower of the node's links together and the intra-node's."""
+    if n <= members_per_node:
+        return INTRA
+    return min(INTRA[0], members_per_node * INTER[0]), max(INTRA[1], INTER[1])
+
+
+def truth_layout_step_s(config, per_node=8, *, parts=False):
+    """The generator of a split model's step, written out apart from the code it checks:
+    one device's compute (the whole model's over t p, tensor parallelism 15% less
+    efficient a rank), the bubble, the data-parallel all-reduce of its gradients over d
+    (every t-th rank: it leaves the node where t d > per_node), 4 tensor-parallel
+    all-reduces a block a micro-batch over the t consecutive ranks, and 2 sends a
+    micro-batch and stage chunk to the next block of t d ranks (another node where
+    t d >= per_node: one device's inter-node link)."""
+    t, p, schedule = config.layout
+    d, g, m = config.data_parallel, config.grad_accum_steps, config.canonical_micro_batch_size
+    v = 1 if schedule in ("gpipe", "1f1b") else 2
+    bubble = (p - 1) / (v * g)
+    compute = g * truth_compute_s(m) / (t * p) * (1 + 0.15 * (t - 1)) * (1 + bubble)
+    activation = m * TOKENS * SHAPE.hidden * 4
+    data = ring_s(GRAD_BYTES / (t * p), d, tier(d, max(1, per_node // t)))
+    tensor = 4 * SHAPE.layers / p * g * ring_s(activation, t, tier(t, per_node))
+    link = INTRA if t * d < per_node else (min(INTRA[0], INTER[0]), max(INTRA[1], INTER[1]))
+    pipeline = 0.0 if p == 1 else 2 * v * g * (activation / t / link[0] + link[1])
+    if parts:
+        return compute, data, tensor, pipeline
+    return compute + data + tensor + pipeline
+
+
+def layout_row(config, style):
+    """A trials.csv row of ``config`` measured exactly from the generator: ``replay``, its
+    collectives folded into the step; ``ddp``, a data-parallel step's all-reduce timed
+    apart and a split model's collectives inside its step, as the real trials say them."""
+    step = truth_layout_step_s(config)
+    compute, data, *_ = truth_layout_step_s(config, parts=True)
+    row = trial_row(
+        config.batch_size, config.num_devices, config.micro_batch_size, config.batch_size / step,
+        step_time_ms_iqr=None, step_times_ms=[], precision="fp32",
+        tokens_per_s=config.batch_size / step * TOKENS,
+    )  # fmt: skip
+    row.update(config.as_dict())
+    if style == "replay":
+        row.update(backend="replay", parallel="simulate", comm_time_ms=0.0)
+    else:
+        comm = data if config.layout[:2] == (1, 1) else 0.0
+        row.update(parallel="ddp", comm_time_ms=comm * 1e3, compute_time_ms=(step - comm) * 1e3)
+    return row
+
+
+def layout_configs(counts=(1, 2, 4, 8), batch=512, micro=(4, 8, 16)):
+    found = []
+    for n in counts:
+        for t, p, schedule in LAYOUTS:
+            for m in micro:
+                if n % (t * p) == 0:
+                    c = BatchConfig(batch, n, m, tensor_parallel=t, pipeline_parallel=p,
+                                    pipeline_schedule=schedule)  # fmt: skip
+                    if not layout_rule(n, t, p, schedule, c.grad_accum_steps):
+                        found.append(c)
+    return found
+
+
+def layout_run(tmp_path, style="replay", plan=EXACT_PLAN, counts=(1, 2, 4, 8)):
+    rows = [layout_row(c, style) for c in layout_configs(counts)]
+    # the rows say how each was measured (a ddp row: timed); the experiment's parallel is
+    # simulate, as config refuses ddp with a layout until real model-parallel trials land
+    exp = experiment(plan, devices=counts, parallel="simulate")
+    exp["search"]["space"].update(tensor_parallel=[1, 2], pipeline_parallel=[1, 2],
+                                  pipeline_schedule=["1f1b", "interleaved_1f1b"])  # fmt: skip
+    return make_run(tmp_path, rows, experiment=exp)
+
+
+@pytest.mark.parametrize("style", ["replay", "ddp"])
+def test_a_split_run_s_layouts_are_planned_at_more_devices_as_their_truth(tmp_path, style):
+    """Every layout the run measured at 1 to 8 devices (one node), planned at 8 (measured),
+    16, 64 and 256: each layout's best configuration there is the generator's step, its
+    tensor-parallel group in a node, its data-parallel ring and its pipeline's sends
+    across nodes as Megatron places them."""
+    run = layout_run(tmp_path, style)
+    plan = plan_run(run, ["plan.num_devices=[8, 16, 64, 256]"], grad_bytes=GRAD_BYTES,
+                    shape=SHAPE, draws=50)  # fmt: skip
+    assert "fitted to the collectives measured at 2, 4, 8 devices" in plan.link_basis
+    seen = set()
+    for layouts, candidates in zip(plan.layouts, plan.candidates, strict=True):
+        assert {r.config.layout for r in layouts} == {c.layout for c in candidates}
+        if layouts[0].config.num_devices < 256:  # 512 over 256 leaves no micro-batch of 4
+            assert {r.config.layout for r in layouts} == set(LAYOUTS)
+        for row in layouts:
+            seen.add((row.config.num_devices, row.config.layout[:2]))
+            truth = row.config.batch_size / truth_layout_step_s(row.config)
+            assert row.samples_per_s.value == pytest.approx(truth, rel=1e-6)
+            low, high = row.samples_per_s.low, row.samples_per_s.high
+            assert low * (1 - 1e-9) <= truth <= high * (1 + 1e-9)
+    assert {(256, (2, 2)), (64, (1, 2)), (16, (2, 1))} <= seen
+    # the count's row is its fastest layout's best configuration
+    for row, layouts in zip(plan.rows, plan.layouts, strict=True):
+        assert layouts[0] is row
+        assert all(row.hours.value <= other.hours.value for other in layouts)
+
+
+def test_the_plan_at_a_measured_count_reproduces_each_layout_s_measurement(tmp_path):
+    run = layout_run(tmp_path, plan={"samples": 1e9, "num_devices": [2, 4, 8]})
+    plan = plan_run(run, grad_bytes=GRAD_BYTES, shape=SHAPE, draws=50)
+    measured = {BatchConfig.of(r).canonical(): r.samples_per_s
+                for r in read_trials(run / "trials.csv").records}  # fmt: skip
+    frame = plan.as_frame()
+    assert set(zip(frame.tensor_parallel, frame.pipeline_parallel, strict=True)) == {
+        (1, 1), (2, 1), (1, 2), (2, 2)}  # fmt: skip
+    assert len(frame) == sum(c.num_devices in (2, 4, 8) for c in measured)
+    for row in plan.configurations():
+        speed = measured[row.config.canonical()]
+        low, high = row.samples_per_s.low, row.samples_per_s.high
+        assert low * (1 - 1e-9) <= speed <= high * (1 + 1e-9)
+        assert row.samples_per_s.value == pytest.approx(speed, rel=1e-6)
+
+
+def test_a_layout_s_plan_grows_only_its_data_parallel_sync_with_the_replicas(tmp_path):
+    """t 2 x p 2 measured at 4 and 8 devices, planned at 64 on one node of 64: the same
+    micro-batches a replica (B grows with d), so the compute, the bubble, the
+    tensor-parallel all-reduces and the pipeline's sends are those measured; the step
+    grows by the data-parallel all-reduce's growth alone."""
+    run = layout_run(tmp_path)
+    plan = plan_run(run, ["plan.devices_per_node=64"], grad_bytes=GRAD_BYTES, shape=SHAPE,
+                    draws=20)  # fmt: skip
+    model = plan.model
+    layout = {"tensor_parallel": 2, "pipeline_parallel": 2}
+    at_8, at_64 = BatchConfig(512, 8, 16, **layout), BatchConfig(4096, 64, 16, **layout)
+    assert at_8.grad_accum_steps == at_64.grad_accum_steps == 16
+    grown = float(model.step_s(at_64)[0] - model.step_s(at_8)[0])
+    shard = GRAD_BYTES / 4
+    assert grown == pytest.approx(ring_s(shard, 16, INTRA) - ring_s(shard, 2, INTRA), rel=1e-6)
+    assert grown > 0.5 * ring_s(shard, 16, INTRA)  # the sync's growth is most of it
+    # on nodes of 8, at 64 the ring and the pipeline's sends leave the node: dearer
+    eight = plan_run(run, grad_bytes=GRAD_BYTES, shape=SHAPE, draws=20).model
+    assert float(eight.step_s(at_64)[0]) > float(model.step_s(at_64)[0])
+    assert float(eight.step_s(at_64)[0]) == pytest.approx(truth_layout_step_s(at_64), rel=1e-6)
+
+
+def test_a_split_run_plans_its_layouts_in_mbtune_plan_and_plan_csv(tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    monkeypatch.setattr("mbtune.plan.model_bytes.gradient_bytes", lambda model: GRAD_BYTES)
+    monkeypatch.setattr("mbtune.plan.model_bytes.split_shape", lambda model: SHAPE)
+    run = layout_run(tmp_path, plan={"samples": 1e9, "num_devices": [8, 64]})
+    assert main(["plan", str(run), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "devices" in line and "t x p" in line)
+    assert header.split()[:4] == ["devices", "t", "x", "p"]
+    for count in ("8", "64"):  # a count's row, then each other layout's best under it
+        at = out.split(f"\n  {count:>7}  ")[1].split("\n")
+        layouts = [at[0].split()[0]] + [line.split()[0] for line in at[1:5]]
+        assert sorted(layouts) == ["1x1", "1x2", "1x2", "2x1", "2x2"]
+    assert "interleaved_1f1b" in out and "fastest: " in out
+    frame = pd.read_csv(run / "plan.csv")
+    assert {"tensor_parallel", "pipeline_parallel", "pipeline_schedule"} <= set(frame.columns)
+    assert set(frame.query("num_devices == 64").pipeline_schedule) == {"1f1b", "interleaved_1f1b"}
+
+
+def test_a_split_run_whose_model_does_not_say_its_width_is_one_line(tmp_path, capsys,
+                                                                    monkeypatch):  # fmt: skip
+    monkeypatch.setattr("mbtune.plan.model_bytes.gradient_bytes", lambda model: GRAD_BYTES)
+    run = layout_run(tmp_path)  # the mlp: no blocks, no width
+    assert main(["plan", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mbtune: error: plan: the run split its model") and err.count("\n") == 1
+    assert "(hidden) and layers" in err
+    # a run that did not split its model needs no shape
+    assert plan_run(exact_run(tmp_path / "b"), grad_bytes=GRAD_BYTES, draws=10).rows

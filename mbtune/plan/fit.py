@@ -1,21 +1,25 @@
 """The step time of a configuration on a cluster the run did not measure, fitted to the
 run's trials, with its uncertainty as draws.
 
-A data-parallel step is the compute of the busiest device's micro-batches and then the
-collectives of its gradients::
+A step is the compute of one device's micro-batches, with its pipeline's bubble, and then
+the collectives::
 
-    t_step(B, n, m) = g x c(m) + T(config) . (1 / bandwidth, latency)
+    t_step = g x c_v(m) x (1 + bubble(p, g, schedule)) + S(config)
 
-``c(m)`` (seconds per micro-batch of m samples, for each setting of the step: activation
-checkpointing, and with fsdp ``reshard_after_forward`` and ``grad_sync``) is the device's
-own: it does not depend on n, so the trials measure it at any n. ``T`` is the step's
-collectives as the ring runs them (mbtune.comm: the bytes a device sends and the hops it
-waits, the same model the simulated trial uses), and the link turns them into seconds;
-beyond a node the ring runs at the slower of the two tiers (:func:`mbtune.comm.two_tier_s`).
+``c_v(m)`` (seconds per micro-batch of m samples of one device of the variant v: the
+layout, t and p and the schedule, and the settings of the step, activation checkpointing
+and with fsdp ``reshard_after_forward`` and ``grad_sync``) is the device's own: it does
+not depend on the replicas d = n / (t p), so the trials measure it at any n. ``S`` is the
+step's collectives as the ring runs them (mbtune.comm: the bytes a device sends and the
+hops it waits, the same model the simulated trial uses): the data-parallel sync of the
+device's gradients over d and, where the model is split, the tensor-parallel all-reduces
+and the pipeline's sends, which do not change with d; each kind over its tier's link as
+Megatron places the ranks (mbtune.plan.layout). A layout measured at some d is planned at
+more devices by growing d alone.
 
 The intra-node link is fitted to what the run measured, in one least-squares fit with the
 compute: the step times that hold their collectives (a replay's, whose throughput shows
-them), and the collectives a ``ddp`` run timed. Since T is linear in the link's seconds
+them), and the collectives a ``ddp`` run timed. Since S is linear in the link's seconds
 per byte and per hop, the step times across device counts show the link's cost wherever
 one micro-batch size was measured at two counts (one device counts: it moves nothing).
 Where the run cannot tell bandwidth from latency (one device count above 1), the latency
@@ -36,15 +40,17 @@ as they are, with the prior at its median. Pure: numpy and scipy only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from scipy.optimize import nnls
 
-from mbtune.comm import Link, Traffic, all_reduce, step_traffic, two_tier_s
+from mbtune.comm import Link, all_reduce, step_traffic
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, bubble_fraction
+from mbtune.plan.layout import Activations, Parts, layout_traffic, placed_s
 from mbtune.recommend.noise import (
     between_trial_drift,
     drift_variance,
@@ -80,14 +86,6 @@ _ANYTHING_SD = 2.0
 def observations(records: Sequence[TrialRecord]) -> list[Observation]:
     """The run's trials that ran ok, as the models read them (the one conversion,
     :func:`mbtune.recommend.confidence.observation`)."""
-    split = [r for r in records if r.status == "ok" and r.config.layout[:2] != (1, 1)]
-    if split:
-        raise MbtuneError(
-            f"plan: the run split its model (tensor_parallel {split[0].tensor_parallel}, "
-            f"pipeline_parallel {split[0].pipeline_parallel}); the plan models data "
-            "parallelism alone: plan a run measured with tensor_parallel and "
-            "pipeline_parallel 1"
-        )
     return [o for o in map(observation, records) if o.status == "ok" and o.samples_per_s]
 
 
@@ -99,12 +97,26 @@ def _step_s(o: Observation) -> float:
 def _said_apart(o: Observation, grad_bytes: int, sharding: str) -> float | None:
     """The step's collectives where the trial said them apart, taken off its step time
     before the fit: modelled (simulate), or timed (ddp: one all-reduce of the gradients,
-    scaled to the step's own, fsdp's 2g + 1 gathers); None where folded in (a replay)."""
+    scaled to the step's own, fsdp's 2g + 1 gathers); None where folded in (a replay, and
+    a real split model's step, whose sends and all-reduces run inside it)."""
     if o.comm_s is None or not o.comm_timed:
         return o.comm_s
+    if _split(o.config):
+        return None
     timed = all_reduce(grad_bytes, o.config.num_devices)
     step = step_traffic(o.config, grad_bytes=grad_bytes, sharding=sharding)
     return o.comm_s * step.volume / timed.volume
+
+
+def _split(config: BatchConfig) -> bool:
+    return config.tensor_parallel * config.pipeline_parallel > 1
+
+
+def _passes(config: BatchConfig) -> float:
+    """A device's micro-batches of a step in units of one's compute: g, and the pipeline's
+    bubble (lattice.bubble_fraction: its fill and drain slots idle)."""
+    g = config.grad_accum_steps
+    return g * (1 + bubble_fraction(config.pipeline_parallel, g, config.pipeline_schedule))
 
 
 def _relative_sds(found: Sequence[Observation], noise_floor: float) -> np.ndarray:
@@ -123,8 +135,9 @@ class StepModel:
     """The fitted step time, as draws (index 0: the point estimate)."""
 
     compute: dict[tuple, tuple[np.ndarray, np.ndarray]]
-    """For each setting of the step (:attr:`BatchConfig.settings`): the measured
-    micro-batch sizes and the seconds per micro-batch at each, an array (sizes x draws)."""
+    """For each variant (:attr:`BatchConfig.variant`: the layout and the settings of the
+    step): the measured micro-batch sizes and one device's seconds per micro-batch at
+    each, an array (sizes x draws)."""
     intra: Link
     """The intra-node link, the fit combined with the prior (arrays over the draws)."""
     measured: Link | None
@@ -134,41 +147,46 @@ class StepModel:
     per_node: int
     grad_bytes: int
     sharding: str
+    activations: Activations | None
+    """One sample's activations and the model's blocks, where the run split its model."""
     link_basis: str
     """What the link rests on, in words (the plan says it)."""
-    folded_sync: dict[int, np.ndarray]
-    """The collectives of a step at each measured device count beyond a node, as a
-    replay's step times say them (no link is fitted there): used at those counts."""
+    folded_sync: dict[tuple, np.ndarray]
+    """The collectives of a step at each measured device count and layout beyond a node,
+    as a replay's step times say them (no link is fitted there): used there."""
     largest_micro_batch: dict[tuple, int]
-    """The largest micro-batch that ran, per setting: the plan goes no higher (memory)."""
+    """The largest micro-batch that ran, per variant: the plan goes no higher (memory)."""
     device_counts: tuple[int, ...]
     """The device counts the run measured."""
 
     def step_s(self, config: BatchConfig) -> np.ndarray:
-        """The step time of ``config`` in each draw (seconds)."""
-        g = config.grad_accum_steps
-        compute = g * self.micro_batch_s(config.canonical_micro_batch_size, config.settings)
-        return compute + self.sync_s(config)
+        """The step time of ``config`` in each draw (seconds): g x c_v(m) x (1 + bubble)
+        plus the step's collectives."""
+        per_pass = self.micro_batch_s(config.canonical_micro_batch_size, config.variant)
+        return _passes(config) * per_pass + self.sync_s(config)
 
     def sync_s(self, config: BatchConfig) -> np.ndarray:
-        """The step's collectives in each draw (seconds)."""
+        """The step's collectives in each draw (seconds), each kind on its tier
+        (mbtune.plan.layout)."""
         n = config.num_devices
-        if n in self.folded_sync:
-            return self.folded_sync[n]
-        traffic = step_traffic(config, grad_bytes=self.grad_bytes, sharding=self.sharding)
-        sync = two_tier_s(traffic, n, self.per_node, self.intra, self.inter)
+        if (n, config.layout) in self.folded_sync:
+            return self.folded_sync[n, config.layout]
+        parts = layout_traffic(config, grad_bytes=self.grad_bytes, sharding=self.sharding,
+                               activations=self.activations)  # fmt: skip
+        sync = placed_s(config, parts, self.per_node, self.intra, self.inter)
         if self.measured is not None and n > max(self.device_counts):
             # never cheaper than the bytes cost over the link the measurements say (their
             # latency is too unsure to floor with: a few counts barely show it)
-            data_floor = Traffic(traffic.volume)
-            sync = np.maximum(sync, two_tier_s(data_floor, n, self.per_node, self.measured,
-                                               self.inter))  # fmt: skip
+            floor = placed_s(config, parts.volume_only(), self.per_node, self.measured,
+                             self.inter)  # fmt: skip
+            sync = np.maximum(sync, floor)
         return sync * np.ones_like(self.intra.bandwidth)
 
-    def micro_batch_s(self, m: int, settings: tuple) -> np.ndarray:
-        """Seconds per micro-batch of m: measured, linear between the sizes measured, and
-        outside them the affine fit (a fixed cost per pass plus a cost per sample)."""
-        sizes, times = self.compute[settings]
+    def micro_batch_s(self, m: int, variant: tuple) -> np.ndarray:
+        """One device's seconds per micro-batch of m: measured, linear between the sizes
+        measured, and outside them the affine fit (a fixed cost per pass plus a cost per
+        sample)."""
+        sizes, times = self.compute[variant]
         hit = np.flatnonzero(sizes == m)
         if hit.size:
             return times[hit[0]]
@@ -188,11 +206,12 @@ class StepModel:
         return np.where(fitted > 0, fitted, nearest)
 
     def feasible(self, config: BatchConfig) -> bool:
-        """Measured settings, and a micro-batch no larger than one that ran with them."""
-        settings = config.settings
+        """A measured variant (layout and settings), and a micro-batch no larger than one
+        that ran with it."""
+        variant = config.variant
         return (
-            settings in self.compute
-            and config.canonical_micro_batch_size <= self.largest_micro_batch[settings]
+            variant in self.compute
+            and config.canonical_micro_batch_size <= self.largest_micro_batch[variant]
         )
 
 
@@ -205,11 +224,13 @@ def fit_step_model(
     per_node: int,
     intra_prior: tuple[float, float, float],
     inter_prior: tuple[float, float, float],
+    activations: Activations | None = None,
     draws: int = DRAWS,
     seed: int = 0,
 ) -> StepModel:
     """Fit the step model to ``found`` (see the module's docstring); the priors are
-    (bytes/s, latency in seconds, the sd of their logs)."""
+    (bytes/s, latency in seconds, the sd of their logs); ``activations``: where the run
+    split its model, what its tensor-parallel and pipeline traffic is counted from."""
     if not found:
         raise MbtuneError("plan: the run has no measured trial (status ok) to plan from")
     rng = np.random.default_rng(seed)
@@ -219,7 +240,9 @@ def fit_step_model(
     intra = _prior(intra_prior, rng, draws)
     inter = _prior(inter_prior, rng, draws)
     counts = tuple(sorted({f.config.num_devices for f in found}))
-    fit = _fit(found, factor, grad_bytes, sharding, per_node, intra.latency_s)
+    traffic = partial(layout_traffic, grad_bytes=grad_bytes, sharding=sharding,
+                      activations=activations)  # fmt: skip
+    fit = _fit(found, factor, traffic, grad_bytes, sharding, per_node, intra.latency_s)
     measured, basis = None, _why_not_fitted(found, counts, per_node, grad_bytes, fit.link)
     if fit.link is not None:
         measured = fit.link
@@ -233,6 +256,7 @@ def fit_step_model(
         per_node=per_node,
         grad_bytes=grad_bytes,
         sharding=sharding,
+        activations=activations,
         link_basis=basis,
         folded_sync=fit.folded,
         largest_micro_batch={key: int(sizes[-1]) for key, (sizes, _) in fit.compute.items()},
@@ -249,32 +273,35 @@ class _Fitted:
     """False: the measurements could not tell latency from bandwidth; it is the prior's."""
     link_counts: tuple[int, ...]
     """The device counts above 1 whose measurements the link rests on."""
-    folded: dict[int, np.ndarray]
+    folded: dict[tuple, np.ndarray]
 
 
 def _fit(
     found: Sequence[Observation],
     factor: np.ndarray,
+    traffic_of: Callable[[BatchConfig], Parts],
     grad_bytes: int,
     sharding: str,
     per_node: int,
     prior_latency: np.ndarray,
 ) -> _Fitted:
     """One non-negative least-squares fit per draw, relative to each measured time: the
-    seconds per micro-batch at each measured (settings, m), the intra-node link's seconds
-    per byte and per hop, and the collectives of each device count beyond a node whose
-    step times folded them in.
+    seconds per micro-batch at each measured (variant, m), the intra-node link's seconds
+    per byte and per hop, and the collectives of each device count and layout beyond a
+    node whose step times folded them in.
 
-    Rows: a step time, t = g x c(m) + [T . (1 / bandwidth, latency) where the trial folded
-    its collectives in (a replay) within a node; + s(n) beyond one; nothing where it said
-    them apart, which is taken off first]; and a ddp trial's timed collectives, t = T .
-    (1 / bandwidth, latency). Columns the measurements cannot tell apart are dropped in
-    turn: the latency (then the prior's), the link (then the prior), the folded s(n)
-    (then folded into c, as they cannot be told from the compute)."""
-    groups = sorted({(f.config.settings, f.config.canonical_micro_batch_size) for f in found})
+    Rows: a step time, t = g x c_v(m) x (1 + bubble) + [T . (1 / bandwidth, latency) where
+    the trial folded its collectives in (a replay, a real split model) within a node, T
+    every kind of its traffic (``traffic_of``); + s(n, layout) beyond one; nothing where it
+    said them apart, which is taken off first]; and a ddp trial's timed collectives, t =
+    T . (1 / bandwidth, latency). Columns the measurements cannot tell apart are dropped in
+    turn: the latency (then the prior's), the link (then the prior), the folded s (then
+    folded into c, as they cannot be told from the compute)."""
+    groups = sorted({(f.config.variant, f.config.canonical_micro_batch_size) for f in found})
     col = {key: j for j, key in enumerate(groups)}
     apart = [_said_apart(f, grad_bytes, sharding) for f in found]
-    beyond = sorted({f.config.num_devices for f, sync in zip(found, apart, strict=True)
+    beyond = sorted({(f.config.num_devices, f.config.layout)
+                     for f, sync in zip(found, apart, strict=True)
                      if sync is None and f.config.num_devices > per_node})  # fmt: skip
     timed = [i for i, f in enumerate(found) if f.comm_timed and f.comm_s]
     k, rows = len(groups), len(found) + len(timed)
@@ -285,15 +312,15 @@ def _fit(
     link_counts = set()
     for i, f in enumerate(found):
         c = f.config
-        a[i, col[c.settings, c.canonical_micro_batch_size]] = c.grad_accum_steps
+        a[i, col[c.variant, c.canonical_micro_batch_size]] = _passes(c)
         b[i] = steps[i]
         scale[i] = _step_s(f)
         if apart[i] is not None:
             b[i] -= apart[i]
         elif c.num_devices > per_node:
-            a[i, k + 2 + beyond.index(c.num_devices)] = 1.0
+            a[i, k + 2 + beyond.index((c.num_devices, c.layout))] = 1.0
         elif c.num_devices > 1:
-            traffic = step_traffic(c, grad_bytes=grad_bytes, sharding=sharding)
+            traffic = traffic_of(c).total
             a[i, k : k + 2] = traffic.volume, traffic.hops
             link_counts.add(c.num_devices)
     for row, i in enumerate(timed, start=len(found)):
@@ -325,15 +352,16 @@ def _fit(
     at = {column: solution[j] for j, column in enumerate(keep)}
     floor = 1e-3 * float(np.min([_step_s(f) / f.config.grad_accum_steps for f in found]))
     compute: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    for settings in sorted({s for s, _ in groups}):
-        js = [j for j, (s, _) in enumerate(groups) if s == settings]  # sorted by size
+    for variant in sorted({v for v, _ in groups}):
+        js = [j for j, (v, _) in enumerate(groups) if v == variant]  # sorted by size
         sizes = np.array([groups[j][1] for j in js])
-        compute[settings] = (sizes, np.maximum(np.array([at[j] for j in js]), floor))
+        compute[variant] = (sizes, np.maximum(np.array([at[j] for j in js]), floor))
     fitted = None
     if link:
         per_byte = np.maximum(at[k], 1e-15)
         fitted = Link(1.0 / per_byte, at[k + 1] if latency_fitted else prior_latency)
-    folded = {n: np.maximum(at[k + 2 + j], 0.0) for j, n in enumerate(beyond) if k + 2 + j in at}
+    folded = {key: np.maximum(at[k + 2 + j], 0.0) for j, key in enumerate(beyond)
+              if k + 2 + j in at}  # fmt: skip
     return _Fitted(compute, fitted, latency_fitted and link, tuple(sorted(link_counts)), folded)
 
 

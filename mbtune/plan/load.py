@@ -17,6 +17,7 @@ import yaml
 from mbtune.config.load import load_experiment
 from mbtune.config.rules import ConfigError
 from mbtune.errors import MbtuneError
+from mbtune.lattice import ModelShape
 from mbtune.plan.fit import DRAWS
 from mbtune.plan.planner import Plan, make_plan
 from mbtune.runs.rundir import RunDir, read_trials
@@ -29,11 +30,13 @@ def plan_run(
     overrides: Sequence[str] = (),
     *,
     grad_bytes: int | None = None,
+    shape: ModelShape | None = None,
     draws: int = DRAWS,
     give: str = "--set, e.g. --set plan.samples=1e9 --set plan.num_devices=[8,64,256]",
 ) -> Plan:
     """The plan of a run directory, its experiment's plan section with ``--set``
-    ``overrides``; ``grad_bytes`` None: counted from the model on the meta device;
+    ``overrides``; ``grad_bytes`` None: counted from the model on the meta device, and so
+    its ``shape`` where the run split the model (tensor_parallel or pipeline_parallel > 1);
     ``give``: how the error of a run without a plan section says to give one."""
     for item in overrides:
         if not item.startswith("plan."):
@@ -60,7 +63,12 @@ def plan_run(
         from mbtune.plan.model_bytes import gradient_bytes  # imports torch
 
         grad_bytes = gradient_bytes(experiment.model)
-    return make_plan(experiment, records, grad_bytes=grad_bytes, draws=draws)
+    split = any(r.status == "ok" and r.config.layout[:2] != (1, 1) for r in records)
+    if split and shape is None and experiment.model_shape is None:
+        from mbtune.plan.model_bytes import split_shape  # imports torch
+
+        shape = split_shape(experiment.model)
+    return make_plan(experiment, records, grad_bytes=grad_bytes, shape=shape, draws=draws)
 
 
 def load_plan(

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mbtune.config.rules import ConfigError
+from mbtune.config.schema import PlanConfig
 
-__all__ = ["NcclTier", "read_nccl_tests"]
+__all__ = ["MEASURED_UNCERTAINTY", "NcclTier", "plan_links", "read_nccl_tests"]
 
 _RANK = re.compile(r"^#\s*Rank\s+\d+\b.*?\bon\s+(\S+)\s+device\b")
 _WHERE = "plan.nccl_tests"
@@ -96,3 +97,39 @@ def read_nccl_tests(path: Path) -> NcclTier:
         ranks=ranks,
         hosts=len(hosts),
     )
+
+
+MEASURED_UNCERTAINTY = 0.1
+"""The uncertainty of a tier read from nccl-tests, where the tier sets none: the spread
+of one cluster's all-reduce over runs and days, smaller than the defaults' 0.3 spread
+between clusters."""
+
+
+def plan_links(plan: PlanConfig) -> tuple[tuple[tuple[float, float, float], ...], list[str]]:
+    """The two tiers (bytes/s, latency s, uncertainty): a tier's own keys, else what an
+    nccl-tests output says of it, else the defaults; and the sentences naming the files."""
+    intra, inter = plan.links()
+    tiers = {"intra_node": intra, "inter_node": inter}
+    read: dict[str, Path] = {}
+    sources = []
+    for path in plan.nccl_tests:
+        found = read_nccl_tests(path)
+        if found.tier in read:
+            raise ConfigError(
+                "plan.nccl_tests",
+                f"{read[found.tier].name} and {path.name} both measured the {found.tier} "
+                "tier; give one output per tier (one node, and several)",
+            )
+        read[found.tier] = path
+        own = getattr(plan, found.tier)
+        tiers[found.tier] = (
+            float(own.bandwidth) if own.bandwidth is not None else found.bandwidth,
+            own.latency_us / 1e6 if own.latency_us is not None else found.latency_s,
+            own.uncertainty if own.uncertainty is not None else MEASURED_UNCERTAINTY,
+        )
+        sources.append(
+            f"plan.{found.tier} from nccl-tests {path.name} ({found.ranks} ranks on "
+            f"{found.hosts} host{'s' * (found.hosts > 1)}: {found.bandwidth / 1e9:,.1f} GB/s, "
+            f"{found.latency_s * 1e6:,.1f} us a hop)"
+        )
+    return (tiers["intra_node"], tiers["inter_node"]), sources

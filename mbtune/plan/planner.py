@@ -15,7 +15,6 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,10 +25,12 @@ from mbtune.config.rules import ConfigError
 from mbtune.config.schema import PlanConfig
 from mbtune.config.search import IntRange
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, ModelShape
 from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, observations
-from mbtune.plan.nccl import read_nccl_tests
+from mbtune.plan.layout import activations_of
+from mbtune.plan.nccl import plan_links
 from mbtune.recommend.confidence import MAX_SCORE, TOLERANCE
+from mbtune.report.words import layout
 from mbtune.runs.record import TrialRecord
 
 __all__ = [
@@ -101,6 +102,9 @@ class PlanRow:
             "activation_checkpointing": c.activation_checkpointing,
             "reshard_after_forward": c.reshard_after_forward,
             "grad_sync": c.grad_sync,
+            "tensor_parallel": c.tensor_parallel,
+            "pipeline_parallel": c.pipeline_parallel,
+            "pipeline_schedule": c.pipeline_schedule,
             "confidence": self.confidence,
             "samples_per_s": self.samples_per_s.as_dict(),
             "hours": self.hours.as_dict(),
@@ -133,6 +137,9 @@ class Plan:
     """The fitted step model the rows were read from."""
     candidates: tuple[tuple[BatchConfig, ...], ...]
     """Every configuration considered at each row's device count (in the rows' order)."""
+    layouts: tuple[tuple[PlanRow, ...], ...]
+    """At each row's device count, the best configuration of each layout the run measured
+    that divides it, fewest hours first (the first is the row itself)."""
     tokens_per_sample: float | None
     """What ``plan.tokens`` is divided by; None where the plan counts no tokens."""
 
@@ -195,16 +202,22 @@ def make_plan(
     records: Sequence[TrialRecord],
     *,
     grad_bytes: int,
+    shape: ModelShape | None = None,
     draws: int = DRAWS,
     seed: int = 0,
 ) -> Plan:
-    """Fit the step model to ``records`` and plan ``experiment.plan`` with it."""
+    """Fit the step model to ``records`` and plan ``experiment.plan`` with it; ``shape``
+    (else ``experiment.model_shape``): the model's, where the run split it (its ``hidden``
+    and ``layers`` count the tensor-parallel and pipeline traffic)."""
     plan = experiment.plan
     if plan is None:
         raise ConfigError("plan", "the experiment has no plan section")
     sharding = experiment.trial.sharding
     found = observations(records)
-    (intra, inter), sources = _links(plan)
+    activations = None
+    if any(o.config.layout[:2] != (1, 1) for o in found):
+        activations = activations_of(shape or experiment.model_shape, records)
+    (intra, inter), sources = plan_links(plan)
     model = fit_step_model(
         found,
         noise_floor=experiment.noise_floor,
@@ -213,11 +226,12 @@ def make_plan(
         per_node=plan.devices_per_node,
         intra_prior=intra,
         inter_prior=inter,
+        activations=activations,
         draws=draws,
         seed=seed,
     )
     per_sample = _tokens_per_sample(records) if plan.tokens is not None else None
-    rows, skipped, considered = [], [], []
+    rows, skipped, considered, layouts = [], [], [], []
     for n in plan.num_devices:
         candidates = [c for c in _configs_at(experiment, n) if model.feasible(c)]
         if not candidates:
@@ -225,6 +239,7 @@ def make_plan(
             continue
         rows.append(_best_row(model, candidates, plan, per_sample))
         considered.append(tuple(candidates))
+        layouts.append(_layout_rows(model, candidates, plan, per_sample, rows[-1]))
     if not rows:
         _, why = skipped[0]
         raise ConfigError("plan.num_devices", f"no planned device count has a configuration: {why}")
@@ -245,44 +260,9 @@ def make_plan(
         grad_bytes=grad_bytes,
         model=model,
         candidates=tuple(considered),
+        layouts=tuple(layouts),
         tokens_per_sample=per_sample,
     )
-
-
-MEASURED_UNCERTAINTY = 0.1
-"""The uncertainty of a tier read from nccl-tests, where the tier sets none: the spread
-of one cluster's all-reduce over runs and days, smaller than the defaults' 0.3 spread
-between clusters."""
-
-
-def _links(plan: PlanConfig) -> tuple[tuple[tuple[float, float, float], ...], list[str]]:
-    """The two tiers (bytes/s, latency s, uncertainty): a tier's own keys, else what an
-    nccl-tests output says of it, else the defaults; and the sentences naming the files."""
-    intra, inter = plan.links()
-    tiers = {"intra_node": intra, "inter_node": inter}
-    read: dict[str, Path] = {}
-    sources = []
-    for path in plan.nccl_tests:
-        found = read_nccl_tests(path)
-        if found.tier in read:
-            raise ConfigError(
-                "plan.nccl_tests",
-                f"{read[found.tier].name} and {path.name} both measured the {found.tier} "
-                "tier; give one output per tier (one node, and several)",
-            )
-        read[found.tier] = path
-        own = getattr(plan, found.tier)
-        tiers[found.tier] = (
-            float(own.bandwidth) if own.bandwidth is not None else found.bandwidth,
-            own.latency_us / 1e6 if own.latency_us is not None else found.latency_s,
-            own.uncertainty if own.uncertainty is not None else MEASURED_UNCERTAINTY,
-        )
-        sources.append(
-            f"plan.{found.tier} from nccl-tests {path.name} ({found.ranks} ranks on "
-            f"{found.hosts} host{'s' * (found.hosts > 1)}: {found.bandwidth / 1e9:,.1f} GB/s, "
-            f"{found.latency_s * 1e6:,.1f} us a hop)"
-        )
-    return (tiers["intra_node"], tiers["inter_node"]), sources
 
 
 def _configs_at(experiment: Experiment, n: int, batch_size: int | None = None) -> list[BatchConfig]:
@@ -318,8 +298,9 @@ def _why_none(experiment: Experiment, model: StepModel, n: int) -> str:
         sizes = ", ".join(f"{m}" for m in sorted(set(model.largest_micro_batch.values())))
         why = (
             f"every configuration at {n} devices needs a micro-batch larger than the largest "
-            f"that ran ({sizes}) or a setting of the step (activation checkpointing, "
-            "sharding) the run did not measure"
+            f"that ran ({sizes}) or a layout or setting of the step (tensor_parallel, "
+            "pipeline_parallel, activation checkpointing, sharding) the run did not measure "
+            "at a count it divides"
         )
     batch = _plannable_batch(experiment, model, n)
     return why + (f"; plan.batch_size={batch} would plan it" if batch is not None else "")
@@ -374,6 +355,28 @@ def _best_row(
     return dataclasses.replace(row, confidence=min(MAX_SCORE, int(within * 100)))
 
 
+def _layout_rows(
+    model: StepModel,
+    candidates: list[BatchConfig],
+    plan: PlanConfig,
+    per_sample: float | None,
+    best: PlanRow,
+) -> tuple[PlanRow, ...]:
+    """The best candidate of each layout (fewest hours, draw 0), the count's own ``best``
+    row for its layout; fewest hours first."""
+    rows: dict[tuple, PlanRow] = {}
+    for config in candidates:
+        row = best if config == best.config else _row_of(model, config, plan, per_sample)
+        held = rows.get(config.layout)
+        if held is None or _rank(row, best) < _rank(held, best):
+            rows[config.layout] = row
+    return tuple(sorted(rows.values(), key=lambda r: (r is not best, r.hours.value)))
+
+
+def _rank(row: PlanRow, best: PlanRow) -> tuple[float, bool]:
+    return row.hours.value, row is not best
+
+
 def _row_of(
     model: StepModel, config: BatchConfig, plan: PlanConfig, per_sample: float | None
 ) -> PlanRow:
@@ -422,28 +425,36 @@ def _tokens_per_sample(records: Sequence[TrialRecord]) -> float:
 
 
 def plan_lines(plan: Plan) -> list[str]:
-    """The plan as ``mbtune plan`` and the end of ``mbtune run`` print it."""
+    """The plan as ``mbtune plan`` and the end of ``mbtune run`` print it: a row for each
+    planned device count, and where the run split its model a column for the layout and,
+    under each count's row, the best configuration of each other layout measured there."""
     p = plan.plan
     counts = ", ".join(map(str, plan.device_counts))
+    split = any(c.layout[:2] != (1, 1) for configs in plan.candidates for c in configs)
     lines = [
         f"plan: {plan.amount} on {', '.join(map(str, p.num_devices))} devices, from "
         f"{plan.trials} measured trials at {counts} devices "
         f"({plan.grad_bytes / 1e6:,.1f} MB of gradients a step); 90% intervals",
         f"  {plan.link_basis}",
-        f"  {'devices':>7}  {'batch':>6}  {'micro':>5}  {'ckpt':>4}  {'sure':>4}  "
-        f"{'samples/s':>28}  {'hours':>26}  {'device-hours':>30}  "
+        f"  {'devices':>7}  " + f"{'t x p':>22}  " * split + f"{'batch':>6}  {'micro':>5}  "
+        f"{'ckpt':>4}  {'sure':>4}  {'samples/s':>28}  {'hours':>26}  {'device-hours':>30}  "
         + (f"{'cost':>30}" if p.price_per_device_hour is not None else ""),
     ]
-    for row in plan.rows:
-        c = row.config
-        lines.append(
-            f"  {c.num_devices:>7}  {c.batch_size:>6}  {c.micro_batch_size:>5}  "
-            f"{'yes' if c.activation_checkpointing else 'no':>4}  "
-            f"{row.confidence if row.confidence is not None else '-':>4}  "
-            f"{_interval(row.samples_per_s):>28}  {_interval(row.hours):>26}  "
-            f"{_interval(row.device_hours):>30}  "
-            + (f"{_interval(row.cost):>30}" if row.cost is not None else "")
-        )
+    for row, layouts in zip(plan.rows, plan.layouts, strict=True):
+        for other in layouts if split else (row,):
+            c = other.config
+            t, pp, schedule = c.layout
+            tp = f"{t}x{pp}" + f" {schedule}" * (pp > 1)
+            devices = c.num_devices if other is row else ""
+            lines.append(
+                f"  {devices:>7}  " + f"{tp:>22}  " * split + f"{c.batch_size:>6}  "
+                f"{c.micro_batch_size:>5}  "
+                f"{'yes' if c.activation_checkpointing else 'no':>4}  "
+                f"{other.confidence if other.confidence is not None else '-':>4}  "
+                f"{_interval(other.samples_per_s):>28}  {_interval(other.hours):>26}  "
+                f"{_interval(other.device_hours):>30}  "
+                + (f"{_interval(other.cost):>30}" if other.cost is not None else "")
+            )
     for n, why in plan.skipped:
         lines.append(f"  {n:>7}  no plan: {why}")
     lines.append(f"  fastest: {_pick(plan.fastest)}")
@@ -469,7 +480,8 @@ def _pick(row: PlanRow) -> str:
     c = row.config
     devices = f"{c.num_devices} device{'s' * (c.num_devices != 1)}"
     text = (
-        f"{devices}, batch_size {c.batch_size}, micro_batch_size {c.micro_batch_size}"
+        f"{devices}{layout(c, ' ')}, batch_size {c.batch_size}, micro_batch_size "
+        f"{c.micro_batch_size}"
         f"{', activation checkpointing' if c.activation_checkpointing else ''}"
         f": {_num(row.hours.value)} hours ({_num(row.hours.low)} to {_num(row.hours.high)}), "
         f"{_num(row.device_hours.value)} device-hours"
