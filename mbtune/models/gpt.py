@@ -12,6 +12,7 @@ meta device and sharded (mbtune.trial.sharding) is initialised to the same value
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -19,33 +20,42 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mbtune.models.parallel import ParallelParts
 from mbtune.models.spec import Batch, ModelSpec, batch_mixing_reason
 
-__all__ = ["GPT", "GPTMLP", "Block", "CausalSelfAttention", "build_gpt"]
+__all__ = ["GPT", "GPTMLP", "GPTStage", "Block", "CausalSelfAttention", "build_gpt", "gpt_parts"]
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention with its query, key and value projections apart, so that a
+    tensor-parallel plan shards each by heads (one fused projection would give rank 0 the
+    queries and half the keys). Their weights are the rows of nanoGPT's fused ``c_attn``:
+    drawn one after another from the same RNG stream, they are its values. The number of
+    heads is read from the projections' width, so a shard of them runs its own heads."""
+
     def __init__(self, *, n_head: int, d_model: int, dropout: float):
         super().__init__()
-        # key, query, value projections for all heads, in one matmul
-        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.c_proj = nn.Linear(d_model, d_model)
         self.resid_dropout = nn.Dropout(dropout)
-        self.n_head = n_head
-        self.d_model = d_model
+        self.n_head = n_head  # the model's; a tensor-parallel shard runs n_head / t of them
+        self.head_dim = d_model // n_head
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # batch, sequence length, d_model
-        q, k, v = self.c_attn(x).split(self.d_model, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim): heads become a batch dimension
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T, _ = x.size()  # batch, sequence length, d_model
+        # (B, T, C) -> (B, heads, T, head_dim): heads become a batch dimension; C and the
+        # heads are this rank's (all of them without tensor parallelism)
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -148,6 +158,59 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size) logits
 
 
+class GPTStage(nn.Module):
+    """One pipeline stage of a :class:`GPT`: copies of its blocks ``[start, stop)``, of the
+    embeddings on the first stage and of the final LayerNorm and head on the last (the tied
+    head a copy of its own there: mbtune.models.parallel says how it stays tied)."""
+
+    shard_blocks = ("Block",)
+
+    def __init__(self, model: GPT, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        memo: dict[int, object] = {}  # one memo: a stage that is first and last stays tied
+
+        def own(part: nn.Module | None) -> nn.Module | None:
+            return copy.deepcopy(part, memo) if part is not None else None
+
+        self.wte, self.wpe, self.drop = (own(m) if first else None
+                                         for m in (model.wte, model.wpe, model.drop))  # fmt: skip
+        self.blocks = nn.ModuleList(own(model.blocks[i]) for i in range(start, stop))
+        self.ln_f, self.lm_head = (own(m) if last else None for m in (model.ln_f, model.lm_head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:  # x: token ids (B, T)
+            pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks:  # x: (B, T, d_model)
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.ln_f(x))  # (B, T, vocab_size) logits
+        return x
+
+
+def gpt_parts(model: GPT) -> ParallelParts:
+    """How a GPT splits into stages and shards by heads: q, k, v and the MLP's first layer
+    by columns, the projections back by rows."""
+    block = model.blocks[0]
+    return ParallelParts(
+        num_blocks=len(model.blocks),
+        make_stage=functools.partial(GPTStage, model),
+        io=lambda batch: ((batch[0],), batch[1]),
+        loss=_next_token_loss,
+        tp_plan={
+            **{f"blocks.*.attn.{p}": "colwise" for p in ("q", "k", "v")},
+            "blocks.*.attn.c_proj": "rowwise",
+            "blocks.*.mlp.c_fc": "colwise",
+            "blocks.*.mlp.c_proj": "rowwise",
+        },
+        tp_divides={
+            "attention heads (model.n_head)": block.attn.q.out_features // block.attn.head_dim,
+            "MLP width (4 x model.d_model)": block.mlp.c_fc.out_features,
+        },
+        tied=(("wte.weight", "lm_head.weight"),),
+    )
+
+
 def build_gpt(
     *, n_layer: int, n_head: int, d_model: int, seq_len: int, vocab_size: int, dropout: float
 ) -> ModelSpec:
@@ -179,6 +242,10 @@ def _batch(n: int, device: torch.device, *, seq_len: int, vocab_size: int) -> Ba
 
 def _loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     idx, targets = batch
-    logits = module(idx)  # (n, T, V)
-    # mean over all n*T tokens; every sample has T tokens, so it is also the mean over samples
+    return _next_token_loss(module(idx), targets)
+
+
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits (n, T, V): the mean over all n*T tokens; every sample has T tokens, so it is
+    # also the mean over samples
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -23,6 +23,7 @@ padding), so it is also the mean over the samples and gradient accumulation is e
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
 import json
@@ -39,9 +40,10 @@ from mbtune.config.model_options import (
     one_line,
     split_hf_options,
 )
+from mbtune.models.parallel import ParallelParts
 from mbtune.models.spec import Batch, ModelSpec, batch_mixing_reason
 
-__all__ = ["build_hf_model"]
+__all__ = ["build_hf_model", "hf_parts"]
 
 _MAPPINGS = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -333,3 +335,95 @@ def _labels(n: int, num_labels: int, device: torch.device) -> torch.Tensor:
 
 def _loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     return module(**batch).loss
+
+
+# -----------------------------------------------------------------------------
+# model parallelism: a Llama-family decoder's stages and tensor-parallel plan
+
+_DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+"""What a Llama-family base model (``model.model``) holds, which its stages are made of."""
+
+
+def hf_parts(module: nn.Module) -> ParallelParts:
+    """How a Llama-family causal-lm decoder (Llama, Mistral, Qwen2, Qwen3...) splits into
+    stages (its ``_no_split_modules`` blocks, ``model.layers``) and shards by its projection
+    names: q/k/v_proj and gate/up_proj by columns, o_proj and down_proj by rows."""
+    base = getattr(module, "model", None)
+    layers = getattr(base, "layers", None)
+    blocks = set(getattr(module, "_no_split_modules", None) or ())
+    llama_like = (
+        all(hasattr(base, part) for part in _DECODER_PARTS)
+        and hasattr(module, "lm_head")
+        and len(layers) > 0
+        and type(layers[0]).__name__ in blocks
+    )
+    if not llama_like:
+        raise ModelError(
+            f"train_input.tensor_parallel / pipeline_parallel: hf:{module.config.model_type} "
+            f"({type(module).__name__}) is not a Llama-family causal-lm decoder (model."
+            f"{', model.'.join(_DECODER_PARTS)} and lm_head), which mbtune splits into stages "
+            "and shards by heads; measure it at tensor_parallel 1 and pipeline_parallel 1"
+        )
+    config = module.config
+    tied = module.lm_head.weight is base.embed_tokens.weight
+    loss_function = module.loss_function
+    return ParallelParts(
+        num_blocks=len(layers),
+        make_stage=functools.partial(_DecoderStage, module),
+        io=lambda batch: ((batch["input_ids"],), batch["labels"]),
+        loss=lambda logits, labels: loss_function(
+            logits=logits, labels=labels, vocab_size=config.vocab_size
+        ),
+        tp_plan={
+            **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        },
+        tp_divides={
+            "attention heads (model.num_attention_heads)": config.num_attention_heads,
+            "key/value heads (model.num_key_value_heads)": config.num_key_value_heads,
+            "MLP width (model.intermediate_size)": config.intermediate_size,
+        },
+        tied=(("embed_tokens.weight", "lm_head.weight"),) if tied else (),
+        blocks_attr="layers",
+    )
+
+
+class _DecoderStage(nn.Module):
+    """One pipeline stage of a Llama-family decoder: copies of its layers ``[start, stop)``
+    and its rotary embedding, of the token embedding on the first stage and of the final
+    norm and head on the last. Its layers run as the decoder's own forward runs them."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        base, memo = model.model, {}
+
+        def own(part: nn.Module) -> nn.Module:
+            return copy.deepcopy(part, memo)
+
+        self.config = model.config
+        self.shard_blocks = (type(base.layers[0]).__name__,)  # an FSDP unit each
+        self.embed_tokens = own(base.embed_tokens) if first else None
+        self.rotary_emb = own(base.rotary_emb)  # every stage places its positions
+        self.layers = nn.ModuleList(own(base.layers[i]) for i in range(start, stop))
+        self.norm = own(base.norm) if last else None
+        self.lm_head = own(model.lm_head) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:  # x: token ids (B, T)
+            x = self.embed_tokens(x)
+        positions = torch.arange(x.size(1), device=x.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+            position_ids=positions,
+        )  # fmt: skip
+        rope = self.rotary_emb(x, position_ids=positions)
+        for layer in self.layers:  # x: (B, T, hidden_size)
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))  # (B, T, vocab_size) logits
+        return x

@@ -7,6 +7,20 @@ import, the options the function's signature takes, the three returned items, an
 small batch made on the CPU. ``model.checkpoint_blocks`` (reserved, not passed to the
 function) names the class of the blocks that activation checkpointing wraps.
 ``experiments/user_model.py`` is a worked example.
+
+Model parallelism (``train_input.tensor_parallel``, ``pipeline_parallel``) reads hooks on
+the module the function returns (:func:`user_parallel_parts`; docs/model_parallel.md):
+
+    tensor_parallel_plan   {"blocks.*.attn.q": "colwise", "blocks.*.attn.out": "rowwise", ...}:
+                           module paths (inside a stage, or the model where it has no
+                           stages) -> colwise | rowwise; its attention takes the number of
+                           heads from the local width (view(B, T, -1, head_dim))
+    pipeline_blocks        int: how many blocks the stages share out
+    pipeline_stage(start, stop, *, first, last) -> nn.Module: a new module of copies of
+                           blocks [start, stop), the inputs' layers where first, the head
+                           where last
+    pipeline_io(batch)     -> (stage 0's inputs as a tuple of tensors, the loss's target)
+    pipeline_loss(output, target) -> a micro-batch's mean loss from the last stage's output
 """
 
 from __future__ import annotations
@@ -34,9 +48,15 @@ from mbtune.config.model_options import (
 )
 from mbtune.models.batch import batch_tensors
 from mbtune.models.checkpointing import checkpoint_blocks
+from mbtune.models.parallel import TP_STYLES, ParallelParts
 from mbtune.models.spec import Batch, LossFn, ModelSpec, batch_mixing_reason
 
-__all__ = ["build_user_model"]
+__all__ = ["PIPELINE_HOOKS", "TP_PLAN_HOOK", "build_user_model", "user_parallel_parts"]
+
+TP_PLAN_HOOK = "tensor_parallel_plan"
+"""The attribute of a user model that gives its tensor-parallel plan (see the docstring)."""
+PIPELINE_HOOKS = ("pipeline_blocks", "pipeline_stage", "pipeline_io", "pipeline_loss")
+"""The attributes of a user model that split it into pipeline stages (see the docstring)."""
 
 _BATCH_FORMS = "a tensor, a tuple or list of tensors, or a mapping of names to tensors"
 _USER_CONTRACT = (
@@ -322,3 +342,38 @@ def _checkpoint_user_blocks(
             )
     if asked:
         checkpoint_blocks(module, block_names)
+
+
+def user_parallel_parts(module: nn.Module, *, pipeline: bool, tensor: bool) -> ParallelParts:
+    """A user model's :class:`ParallelParts` from its hooks (the module's docstring), each
+    the trial needs checked: the pipeline's where ``pipeline``, the plan where ``tensor``.
+    Without the pipeline's hooks the whole model is the one stage, with its own loss."""
+    name = type(module).__name__
+    missing = [hook for hook in PIPELINE_HOOKS if not hasattr(module, hook)]
+    if pipeline and missing:
+        raise ModelError(
+            f"train_input.pipeline_parallel: the user model {name} has no {', '.join(missing)}; "
+            f"a model split into pipeline stages needs {', '.join(PIPELINE_HOOKS)} "
+            "(docs/model_parallel.md), or pipeline_parallel 1"
+        )
+    plan = getattr(module, TP_PLAN_HOOK, None) or {}
+    if tensor and not plan:
+        raise ModelError(
+            f"train_input.tensor_parallel: the user model {name} has no {TP_PLAN_HOOK} (module "
+            "paths -> colwise or rowwise, docs/model_parallel.md); set it, or tensor_parallel 1"
+        )
+    bad = {path: style for path, style in dict(plan).items() if style not in TP_STYLES}
+    if bad:
+        path, style = next(iter(bad.items()))
+        raise ModelError(
+            f"model.{TP_PLAN_HOOK}: {path!r} has style {style!r}; valid: {', '.join(TP_STYLES)}"
+        )
+    if missing:  # tensor parallel alone: the model is its stage
+        return ParallelParts(num_blocks=1, make_stage=None, io=None, loss=None, tp_plan=plan)
+    return ParallelParts(
+        num_blocks=int(module.pipeline_blocks),
+        make_stage=module.pipeline_stage,
+        io=module.pipeline_io,
+        loss=module.pipeline_loss,
+        tp_plan=plan,
+    )
