@@ -77,12 +77,62 @@ def init_ray(
         if joining:
             context = ray.init(address=joining, runtime_env=_shipped_code(), **quiet)
         else:
-            context = ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", **quiet)
+            with _dashboard_dependencies_found():
+                context = ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                                   **quiet)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = joining or "an embedded local Ray"
         raise MbtuneError(f"{flag}: cannot start or reach {where}: {_first_line(e)}") from None
     url = context.address_info.get("webui_url") or None
     return (ray.get_runtime_context().gcs_address if joining else None), url
+
+
+DASHBOARD_DEPENDENCIES = (
+    "aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemetry", "prometheus_client",
+    "pydantic",
+)  # fmt: skip
+"""The packages whose presence tells Ray that its dashboard can run: the imports of
+``ray.dashboard.optional_deps``, which ray[default] (an mbtune dependency) installs."""
+
+OPTIONAL_DEPS = "ray.dashboard.optional_deps"
+"""The module Ray imports to learn whether :data:`DASHBOARD_DEPENDENCIES` are installed."""
+
+
+@contextlib.contextmanager
+def _dashboard_dependencies_found() -> Iterator[None]:
+    """While an embedded Ray starts. Ray asks whether its dashboard's dependencies are
+    installed (to start its dashboard and each node's agent in full, or minimal) by
+    importing ``ray.dashboard.optional_deps``, whose own imports are all of them: aiohttp,
+    opencensus, opentelemetry, pydantic and more (0.3 to 1.1 s after Ray's own import at
+    load 8, 4.7 s of a 10.9 s start at load 11), which this process never uses: the
+    dashboard and the agents are processes of their own that import them there. Where
+    each of them is installed (found by importlib.util.find_spec, which imports nothing),
+    a stand-in for that module is in the import system's cache, one that imports the real
+    module only when a name is read from it: Ray's question is answered at once, and as it
+    would have been. Where one is missing, Ray asks as it always does, and says so."""
+    import importlib
+    import importlib.util
+    import types
+
+    if OPTIONAL_DEPS in sys.modules or any(
+        importlib.util.find_spec(name) is None for name in DASHBOARD_DEPENDENCIES
+    ):
+        yield
+        return
+    stand_in = types.ModuleType(OPTIONAL_DEPS, "installed; imported when a name is read")
+
+    def real(name: str) -> Any:
+        if sys.modules.get(OPTIONAL_DEPS) is stand_in:
+            del sys.modules[OPTIONAL_DEPS]
+        return getattr(importlib.import_module(OPTIONAL_DEPS), name)
+
+    stand_in.__getattr__ = real  # type: ignore[attr-defined]  # a module's own (PEP 562)
+    sys.modules[OPTIONAL_DEPS] = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get(OPTIONAL_DEPS) is stand_in:
+            del sys.modules[OPTIONAL_DEPS]
 
 
 def prepare_ray(address: str | None) -> None:

@@ -376,6 +376,35 @@ def test_the_dashboard_answers_on_loopback_while_a_search_runs(tmp_path):
     assert configs(RunDir(held.run_dir()).trials()) == [8]
 
 
+EMBEDDED_START = """
+import json, sys
+import psutil
+from mbtune.cluster import DASHBOARD_DEPENDENCIES, init_ray
+init_ray(None, False, False)
+imported = [name for name in DASHBOARD_DEPENDENCIES if name in sys.modules]
+started = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"imported": imported, "dashboards": [c for c in started if "/dashboard/" in c]}))
+"""
+
+
+@pytest.mark.slow
+def test_an_embedded_rays_start_imports_none_of_the_dashboards_dependencies_here():
+    """Ray asks whether its dashboard can run by importing its dependencies into the
+    driver; mbtune answers from what is installed (mbtune.cluster): none of them is
+    imported in the driver, and Ray still starts its dashboard process and the node's
+    agent in full (the agent exports the metrics of docs/monitoring.md), not minimal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([sys.executable, "-c", EMBEDDED_START], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = json.loads(done.stdout.splitlines()[-1])
+    assert started["imported"] == []
+    head, agent = ([c for c in started["dashboards"] if f"/ray/dashboard/{name} " in c]
+                   for name in ("dashboard.py", "agent.py"))  # fmt: skip
+    assert len(head) == 1 and len(agent) == 1, started["dashboards"]
+    assert "--minimal" not in head[0] and "--minimal" not in agent[0]
+
+
 def answers_elsewhere(port: int) -> bool:
     """Does ``port`` answer on one of this machine's addresses other than loopback?"""
     addresses = set()
