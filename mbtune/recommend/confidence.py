@@ -68,7 +68,15 @@ from mbtune.recommend.observation import Observation
 from mbtune.recommend.tie import Tie, called_tie, find_contenders, resolvable
 from mbtune.runs.record import CONFIG_KEY
 
-__all__ = ["MAX_SCORE", "OPEN_CHANCE", "TOLERANCE", "Assessment", "SearchModel", "assess"]
+__all__ = [
+    "MAX_SCORE",
+    "OPEN_CHANCE",
+    "TOLERANCE",
+    "Assessment",
+    "SearchModel",
+    "assess",
+    "feasible_points",
+]
 
 TOLERANCE = 0.02
 """Within 2% of the best counts as right."""
@@ -168,7 +176,7 @@ def assess(
     for o in observations:  # every repeat of a configuration is an observation of it
         looks.setdefault(o.config, []).append(o)
     counts = {config: len(seen) for config, seen in looks.items()}
-    feasible = _feasible(points, observations, sharded=sharded)
+    feasible = feasible_points(points, observations, sharded=sharded)
     ok = [o for o in observations if o.status == "ok" and o.value and o.config in feasible]
     if not ok:
         return Assessment(None, None, 0, 0.0, len(feasible), len(feasible), looks=counts)
@@ -330,31 +338,38 @@ def _remembered(model: SearchModel, observations: tuple[Observation, ...]) -> As
     )
 
 
-def _feasible(
+def feasible_points(
     points: Sequence[BatchConfig], observed: Iterable[Observation], *, sharded: bool = False
 ) -> set[BatchConfig]:
     """The configurations that can still win: not failed (in every look), not above an
     out-of-memory size: one that ran out of memory at micro-batch m on n devices bounds
-    every configuration with the same settings of a step (activation checkpointing, and
-    sharded, FSDP's: memory grows with m on each one's own scale) at m or more, on any
-    number of devices (each holds the whole model), or ``sharded``, on n or fewer (each
-    holds a share of it, larger on fewer)."""
+    every configuration of the same variant (the layout, t, p and the schedule, and the
+    settings of a step, activation checkpointing and FSDP's: memory grows with m on each
+    one's own scale) at m or more, on any number of devices (each holds its whole stage),
+    or ``sharded``, on n or fewer (each holds a share of it, larger on fewer). A pipeline
+    holds up to all of a replica's P samples' activations in flight (gpipe: every
+    micro-batch), so there it bounds only a per-replica batch P as large or larger."""
     failed: set[BatchConfig] = set()
     ran: set[BatchConfig] = set()
-    oom_at: dict[tuple, list[tuple[int, int]]] = {}  # settings -> (n, m) out of memory
+    oom_at: dict[tuple, list[tuple[int, int, int]]] = {}  # variant -> (n, P, m) out of memory
     for o in observed:
         c = o.config
         sizes = [c.micro_batch_size] * (o.status == "oom") + list(o.oom_micro_batch_sizes)
-        oom_at.setdefault(c.settings, []).extend((c.num_devices, m) for m in sizes)
+        oom_at.setdefault(c.variant, []).extend(
+            (c.num_devices, c.per_device_batch, m) for m in sizes
+        )
         if o.status not in ("ok", "oom"):
             failed.add(c)
         elif o.status == "ok":
             ran.add(c)
 
     def fits(c: BatchConfig) -> bool:
+        piped = c.pipeline_parallel > 1
         return not any(
-            c.micro_batch_size >= m and (c.num_devices <= n or not sharded)
-            for n, m in oom_at.get(c.settings, ())
+            c.micro_batch_size >= m
+            and (c.num_devices <= n or not sharded)
+            and (c.per_device_batch >= p or not piped)
+            for n, p, m in oom_at.get(c.variant, ())
         )
 
     return {c for c in (p.canonical() for p in points) if (c in ran or c not in failed) and fits(c)}

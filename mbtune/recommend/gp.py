@@ -1,12 +1,14 @@
 """The model of what was not measured: a Gaussian process over the log of the objective.
 
 Pure numerics (numpy and scipy), for mbtune.recommend.confidence, whose score draws from
-it. Over (log2 m, log2 n, log2 B, and each setting of a step as 0 or 1: activation
-checkpointing, and sharded, reshard_after_forward and grad_sync) the log objective per
-device is a constant, a linear trend (throughput scales with devices and grows with m), a
-curvature in n (communication can make fewer devices faster), a curvature in m
-(throughput saturates with the micro-batch), an interaction of the two (a cost per step
-weighs more on a faster step) and a smooth Matern-5/2 deviation from them.
+it. Over (log2 m, log2 n, log2 B, each setting of a step as 0 or 1: activation
+checkpointing, and sharded, reshard_after_forward and grad_sync; and the layout: log2 t,
+log2 p and the pipeline's schedule as a category) the log objective per device is a
+constant, a linear trend (throughput scales with devices and grows with m), a curvature in
+n (communication can make fewer devices faster), a curvature in m (throughput saturates
+with the micro-batch), an interaction of the two (a cost per step weighs more on a faster
+step), the pipeline's bubble (Megatron's: a step takes 1 + (p - 1) / (v g) of its ideal
+time, known before measuring) and a smooth Matern-5/2 deviation from them.
 Its two shape hyperparameters (length scale, amplitude) are not fixed but averaged over a
 grid, each weighted by how well it explains the measurements (Bayesian model averaging):
 with few measurements many shapes remain possible, and the score stays low.
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import PIPELINE_SCHEDULES, BatchConfig, bubble_fraction
 
 __all__ = ["Mixture", "Scale", "features", "plausible"]
 
@@ -32,15 +34,33 @@ _CURVE_SD = 0.2  # prior sd of the trend's curvature in n, per octave squared (s
 _CURVE_M_SD = 0.05  # the same in m: as much as a saturating curve bends (see _kernels)
 _CROSS_SD = 0.05  # the same for the interaction of m and n, per octave of each (see _kernels)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
+_BUBBLE_SD = 0.3  # prior sd of the bubble's coefficient around Megatron's -1 (see features)
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see plausible)
 
 
 def features(c: BatchConfig) -> tuple[float, ...]:
-    """Octaves of m, n and B, and each setting of a step as 0 or 1 (activation
-    checkpointing on; sharded, reshard_after_forward off, grad_sync every): each a surface
-    of its own, shifted by the trend and close to the other by the smooth deviation (one
-    unit apart, as an octave is), so that what one setting measures tells of the other. A
-    setting the space does not vary is one value everywhere: centred away (:class:`Scale`)."""
+    """Octaves of m, n and B; each setting of a step as 0 or 1 (activation checkpointing
+    on; sharded, reshard_after_forward off, grad_sync every); the layout: octaves of t and
+    p, and the pipeline's schedule as a category (one column per schedule, two schedules
+    one unit apart); and last, the bubble's log share of a step, log(1 + (p - 1) / (v g))
+    (mbtune.lattice.bubble_fraction), which is not a coordinate of the surface but a term
+    of its trend (:data:`_SHAPE`). Each setting and each value of the layout is a surface
+    of its own, shifted by the trend and close to the others by the smooth deviation (one
+    unit apart, as an octave is), so that what one measures tells of the other. A setting
+    the space does not vary is one value everywhere: centred away (:class:`Scale`).
+
+    Why the layout so. Megatron's relations: t and p divide a replica's compute (the
+    per-device objective learns what they cost beyond: all-reduces inside a node, sends,
+    smaller matrices), and the pipeline idles (p - 1) / (v g) of its ideal time with g
+    micro-batches and v stages a rank (a third of that for the zero-bubble schedules): a
+    larger m means fewer micro-batches and a larger bubble. That relation is known, so the
+    trend holds it at its value (a coefficient of -1 on log(1 + bubble), prior sd
+    ``_BUBBLE_SD``) rather than learning it from the measurements; what a schedule costs
+    beyond its bubble (interleaved's extra sends) is its category's level. Schedules that
+    differ in nothing but their memory (gpipe and 1f1b) are still two categories: a real
+    machine may run them at different speeds."""
+    schedule = c.pipeline_schedule if c.pipeline_parallel > 1 else "none"
+    bubble = bubble_fraction(c.pipeline_parallel, c.grad_accum_steps, c.pipeline_schedule)
     return (
         math.log2(c.micro_batch_size),
         math.log2(c.num_devices),
@@ -48,7 +68,18 @@ def features(c: BatchConfig) -> tuple[float, ...]:
         float(c.activation_checkpointing),
         float(not c.reshard_after_forward),
         float(c.grad_sync == "every"),
+        math.log2(c.tensor_parallel),
+        math.log2(c.pipeline_parallel),
+        *(_CATEGORY * (schedule == s) for s in PIPELINE_SCHEDULES),
+        math.log1p(bubble),
     )
+
+
+_CATEGORY = math.sqrt(0.5)
+"""A category's column value: two categories differ in two columns, one unit apart."""
+_SHAPE = slice(0, -1)
+"""The columns that are coordinates of the surface (the deviation's distances); the last,
+the bubble, enters the trend only."""
 
 
 class Scale:
@@ -83,6 +114,7 @@ class Mixture:
 
     def __init__(self, x: np.ndarray, y: np.ndarray, noise_var: np.ndarray) -> None:
         self.x = x
+        y = y - _prior_mean(x)
         self.level = float(np.mean(y))
         self.y = y - self.level
         self.fits = []
@@ -97,7 +129,7 @@ class Mixture:
 
     def mean(self, z: np.ndarray) -> np.ndarray:
         """The mixture's posterior mean at ``z``."""
-        return sum(
+        return _prior_mean(z) + sum(
             w * (self.level + kzx @ alpha)
             for w, (_, _, alpha), (_, kzx) in zip(
                 self.weights, self.fits, _kernels(z, self.x), strict=True
@@ -116,7 +148,8 @@ class Mixture:
             var = np.clip(amplitude**2 + prior_trend - (v**2).sum(axis=0), 0, None)
             parts.append((w, self.level + kzx @ alpha, var))
         mean = sum(w * m for w, m, _ in parts)
-        return mean, np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
+        spread = np.sqrt(sum(w * (var + (m - mean) ** 2) for w, m, var in parts))
+        return _prior_mean(z) + mean, spread
 
     def sample(self, z: np.ndarray, n: int, seed: int) -> np.ndarray:
         """``n`` joint draws of the latent log objective at ``z`` (rows: draws)."""
@@ -129,9 +162,15 @@ class Mixture:
             if count:
                 v = _lower_solve(chol, kzx.T)
                 root = _cholesky(kzz - v.T @ v)
-                mean = self.level + kzx @ alpha
+                mean = _prior_mean(z) + self.level + kzx @ alpha
                 draws.append(mean + rng.standard_normal((count, len(z))) @ root.T)
         return np.vstack(draws)
+
+
+def _prior_mean(x: np.ndarray) -> np.ndarray:
+    """The trend's known part: Megatron's bubble, a step 1 + bubble times its ideal time
+    (:func:`features`' last column; centred, which the constant absorbs)."""
+    return -x[:, -1]
 
 
 def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
@@ -151,7 +190,7 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
     the model carried 4 devices' curve over to 2 devices measured at a small m only, and
     stopped at 90 on 4 devices where 2 devices at a large m were 8-10% faster
     (bench/close_calls.py --landscape fewer-devices: 7 such stops in 110, 1 with it)."""
-    dist = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
+    dist = np.sqrt(((a[:, None, _SHAPE] - b[None, :, _SHAPE]) ** 2).sum(-1)) * math.sqrt(5)
     base = _trend(a[:, None, :], b[None, :, :])
     for length in _LENGTH_SCALES:
         d = dist / length
@@ -162,11 +201,12 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
 
 def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The prior covariance of the trend (constant, slopes, curvatures in n and m, the
-    interaction of m and n) between the points of ``a`` and ``b``, which broadcast
-    against each other: a matrix from ``a[:, None]`` and ``b[None]``, its diagonal from
-    ``a`` and ``a``."""
+    interaction of m and n, the bubble's coefficient about its known value) between the
+    points of ``a`` and ``b``, which broadcast against each other: a matrix from
+    ``a[:, None]`` and ``b[None]``, its diagonal from ``a`` and ``a``."""
     return (
-        _TREND_SD**2 * (a * b).sum(-1)
+        _TREND_SD**2 * (a[..., _SHAPE] * b[..., _SHAPE]).sum(-1)
+        + _BUBBLE_SD**2 * a[..., -1] * b[..., -1]
         + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
         + _CURVE_M_SD**2 * a[..., 0] ** 2 * b[..., 0] ** 2
         + _CROSS_SD**2 * (a[..., 0] * a[..., 1]) * (b[..., 0] * b[..., 1])

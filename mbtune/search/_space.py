@@ -1,7 +1,9 @@
 """The lattice as Optuna's search space (:class:`OptunaSpace`): a define-by-run space whose
 parameters are *indices* into fixed, sorted lists (one list of device counts, one list of
 batch sizes per device count) and the micro-batch size's log2, so that every proposal is
-a point of the experiment's lattice, valid by construction. Each parameter name always has
+a point of the experiment's lattice, valid by construction (a layout, t, p and the
+schedule, that cannot run the chosen (devices, batch) is read as the nearest that can, as
+the micro-batch size is). Each parameter name always has
 the same range (Optuna forbids dynamic ones) and its order (small to large) is something
 TPE and GP can exploit. Every sampler of mbtune proposes through it, Optuna's and mbtune's
 own (mbtune.search._samplers).
@@ -16,7 +18,7 @@ from typing import Any
 
 import optuna
 
-from mbtune.lattice import SETTINGS, BatchConfig
+from mbtune.lattice import LAYOUT, SETTINGS, BatchConfig
 
 __all__ = ["OptunaSpace"]
 
@@ -35,16 +37,28 @@ class OptunaSpace:
     def __init__(self, points: Sequence[BatchConfig]) -> None:
         self.by_n: dict[int, list[int]] = defaultdict(list)
         self.by_nb: dict[tuple[int, int], list[int]] = defaultdict(list)
-        # (B, n, m) once each, whatever settings of a step come with it
+        self.layouts: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+        """The layouts (t, p, schedule) each (devices, batch) runs."""
+        self.by_layout: dict[tuple, list[int]] = defaultdict(list)
+        """The micro-batch sizes of each (devices, batch, layout)."""
+        # (B, n, m) once each, whatever layout and settings of a step come with it
         for n, b, m in sorted({(c.num_devices, c.batch_size, c.micro_batch_size) for c in points}):
             if not self.by_n[n] or self.by_n[n][-1] != b:
                 self.by_n[n].append(b)
             self.by_nb[n, b].append(m)
-        self.choices = {key: sorted({getattr(c, key) for c in points}, key=str) for key in SETTINGS}
-        """Each setting of a step (mbtune.lattice.SETTINGS: activation_checkpointing,
-        reshard_after_forward, grad_sync) and the values the space gives it: one value, or
-        several, then a categorical parameter of its own, named as the setting (every
-        (B, n, m) of the lattice comes with each combination of the space)."""
+        for n, b, layout, m in sorted({(c.num_devices, c.batch_size, c.layout, c.micro_batch_size)
+                                       for c in points}):  # fmt: skip
+            if layout not in self.layouts[n, b]:
+                self.layouts[n, b].append(layout)
+            self.by_layout[n, b, layout].append(m)
+        self.choices = {key: sorted({getattr(c, key) for c in points}, key=str)
+                        for key in (*LAYOUT, *SETTINGS)}  # fmt: skip
+        """The layout (mbtune.lattice.LAYOUT: tensor_parallel, pipeline_parallel,
+        pipeline_schedule) and each setting of a step (mbtune.lattice.SETTINGS:
+        activation_checkpointing, reshard_after_forward, grad_sync) and the values the space
+        gives it: one value, or several, then a categorical parameter of its own, named as
+        it (every (B, n, m) of the lattice comes with each combination of the settings; a
+        layout only where its rules let it)."""
         self.ns = sorted(self.by_n)
         self.log2_max = math.log2(max(max(ms) for ms in self.by_nb.values()))
 
@@ -75,14 +89,27 @@ class OptunaSpace:
     def __call__(self, trial: Any) -> dict[str, Any]:
         n = _pick(trial, "num_devices_index", self.ns)
         b = _pick(trial, f"batch_size_index_n{n}", self.by_n[n])
-        ms = self.by_nb[n, b]
         x = trial.suggest_float(self.M_PARAM, 0.0, self.log2_max) if self.log2_max > 0 else 0.0
-        m = min(ms, key=lambda m: abs(math.log2(m) - x))
-        settings = [
-            trial.suggest_categorical(key, values) if len(values) > 1 else values[0]
+        chosen = {
+            key: trial.suggest_categorical(key, values) if len(values) > 1 else values[0]
             for key, values in self.choices.items()
-        ]
-        return BatchConfig(b, n, m).with_settings(settings).sizes()
+        }
+        t, p, schedule = _nearest_layout(self.layouts[n, b], tuple(chosen[k] for k in LAYOUT))
+        ms = self.by_layout[n, b, (t, p, schedule)]
+        m = min(ms, key=lambda m: abs(math.log2(m) - x))
+        c = BatchConfig(b, n, m, tensor_parallel=t, pipeline_parallel=p,
+                        pipeline_schedule=schedule)  # fmt: skip
+        return c.with_settings([chosen[key] for key in SETTINGS]).sizes()
+
+
+def _nearest_layout(layouts: list[tuple], wanted: tuple) -> tuple:
+    """``wanted`` (t, p, schedule) where it is one of ``layouts``, else the nearest of them:
+    in octaves of t and p, then the schedule, then the first."""
+    if wanted in layouts:
+        return wanted
+    t, p, schedule = wanted
+    return min(layouts, key=lambda lay: (abs(math.log2(lay[0] / t)) + abs(math.log2(lay[1] / p))
+                                         + (lay[2] != schedule), lay))  # fmt: skip
 
 
 def _pick(trial: Any, name: str, values: list[int]) -> int:
