@@ -22,6 +22,8 @@ What a rank runs is the one measurement loop (mbtune.trial.measure) over a torch
 process group (mbtune.trial.collectives.ProcessGroup); this module is only the Ray Train run
 around it. With ``trial.sharding: fsdp`` the rank's group is mbtune.trial.sharding's: each
 worker holds only its shard of the model (FSDP2), and no DDP wrapper runs on top of it.
+A configuration with tensor or pipeline parallelism (t > 1 or p > 1) runs
+mbtune.trial.pipeline's step instead, on one (dp, pp, tp) device mesh over the same group.
 
 Failures. Ranks agree on the status before going on wherever that is safe (mbtune.trial.measure
 says where): an out-of-memory or error there becomes the whole trial's ``oom`` or
@@ -46,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mbtune.config.experiment import Experiment
+from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.trial.collectives import ProcessGroup
 from mbtune.trial.measure import Measurement, measure, resolve_device
@@ -56,6 +59,7 @@ from mbtune.trial.memory import (
     release,
     short_reason,
 )
+from mbtune.trial.parallelize import model_parallel_problem
 from mbtune.trial.sharding import FullyShardedGroup
 
 __all__ = ["EXIT_TIMED_OUT", "FIT_GRACE_S", "HEALTH_CHECK_INTERVAL_S", "measure_ddp"]
@@ -88,6 +92,9 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> Measuremen
     from mbtune.cluster import init_ray
 
     tr = exp.trial
+    refused = model_parallel_problem(tr, config) if _model_parallel(config) else None
+    if refused:
+        raise MbtuneError(refused)
     deadline = time.time() + tr.timeout_s  # from the call: worker start-up counts
     use_gpu = tr.device != "cpu" and exp.gpus_per_trial > 0
     base = Measurement(config=config, device="cuda" if use_gpu else "cpu")
@@ -291,6 +298,13 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> Measurement:
     device = _rank_device(torch, exp.trial.device)
     if device.type == "cpu":
         fixed_mmap_threshold()  # the peak is the process's: count what it held
+    if _model_parallel(config):
+        from mbtune.trial.pipeline import measure_model_parallel
+
+        measured = measure_model_parallel(exp, config, device)
+        if measured.status != "ok":
+            release(torch, device)
+        return measured
     if exp.trial.sharding == "fsdp":
         group = FullyShardedGroup.for_config(device, exp.trial, config, seed=exp.search.seed)
     else:
@@ -299,6 +313,10 @@ def _run_rank(exp: Experiment, config: BatchConfig) -> Measurement:
     if measured.status != "ok":
         release(torch, device)  # the rank stops here; an OOM leaves tensors behind
     return measured
+
+
+def _model_parallel(config: BatchConfig) -> bool:
+    return config.tensor_parallel > 1 or config.pipeline_parallel > 1
 
 
 def _rank_device(torch: Any, name: str) -> Any:
