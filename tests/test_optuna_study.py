@@ -101,6 +101,20 @@ def test_a_told_trial_is_written_only_the_attributes_it_was_not_asked_with(tmp_p
     assert study(tmp_path).trials[0].user_attrs == {**asked, **record_attrs(measured)}
 
 
+def test_a_damaged_study_is_set_aside_and_rebuilt_from_trials_csv(tmp_path, capsys):
+    damaged = b"not a database " * 300  # what a crash mid-write may leave
+    (tmp_path / "optuna.db").write_bytes(damaged)
+    rows = [record(BatchConfig(32, 1, 4), 300.0, trial=1, trial_id="a"),
+            record(BatchConfig(32, 2, 8), None, status="oom", trial=2, trial_id="b")]  # fmt: skip
+    assert ledger(tmp_path).catch_up(rows) == 2
+    assert ledger(tmp_path).records() == rows
+    assert (tmp_path / "optuna.db.damaged").read_bytes() == damaged
+    assert capsys.readouterr().err == (
+        f"mbtune: {tmp_path / 'optuna.db'} is damaged (file is not a database): set aside as "
+        "optuna.db.damaged; the study is rebuilt from trials.csv\n"
+    )
+
+
 def test_predictions_and_a_warm_start_are_trials_with_the_users_sizes(tmp_path):
     s = make_searcher("tpe", POINTS, seed=0, url=sqlite(tmp_path))
     predicted = record(BatchConfig(32, 2, 8), None, status="oom",

@@ -1,7 +1,10 @@
 """The study read as the search reads it (:class:`History`): what was measured, how often,
-what runs now, and what an earlier run taught, rebuilt from the study's trials whenever a
+what runs now, and what an earlier run taught, read from the study's trials whenever a
 proposal is made. Nothing of it is kept anywhere else, so that a resumed search, a warm
-start and a sampler in a study of your own read the same thing.
+start and a sampler in a study of your own read the same thing. A finished trial never
+changes, so what the finished trials taught is remembered (:class:`_Learnt`) and each
+reading learns only the trials finished since: the same History as learning them all
+again, at a cost that no longer grows with the study.
 
 A proposal whose canonical configuration (the micro-batches it really runs) was measured
 already is answered from what was measured (``measured``); repeats of a configuration are
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,15 +95,64 @@ def read_history(
     """A study's ``trials`` (over ``space``) read as :class:`History`; ``exclude``: the
     trial being proposed now (not yet running anything); ``chosen``: what a sampler
     proposed for trials whose parameters are not all set yet."""
-    h = History()
-    for t in sorted((t for t in trials if t.state.is_finished()), key=finished_order):
-        _learn(h, space, t)
+    finished = sorted((t for t in trials if t.state.is_finished()), key=finished_order)
+    h = _LEARNT.read(finished, space)
     for t in trials:
         if t.state == TrialState.RUNNING and t.number != exclude:
             proposed = (chosen or {}).get(t.number) or _decoded(space, t)
             if proposed is not None:
                 h.running[t.number] = proposed
     return h
+
+
+class _Learnt:
+    """What the finished trials of the last few studies read taught (their History, no
+    trial running), with those trials in the order they were learnt: a reading whose
+    finished trials begin with the very same trial objects (a study's storage hands back a
+    finished trial as the object it read once: Optuna's cached RDB storage and its
+    in-memory one alike) learns only the rest; any other reading learns every trial. Its
+    answer is a copy: what a caller does with it is not remembered."""
+
+    KEPT = 4
+    """Readings remembered: a driver reads one study (a test or a bench, a few)."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[OptunaSpace, list[FrozenTrial], History]] = []
+        self._lock = threading.Lock()
+
+    def read(self, finished: Sequence[FrozenTrial], space: OptunaSpace) -> History:
+        """The History of ``finished`` (sorted as learnt), over ``space``; none running."""
+        with self._lock:
+            known, h = [], History()
+            for i, (kept_space, trials, kept) in enumerate(self._kept):
+                if kept_space is space and _begins_with(finished, trials):
+                    known, h = trials, kept
+                    del self._kept[i]
+                    break
+            h = _copy(h)
+            for t in finished[len(known) :]:
+                _learn(h, space, t)
+            self._kept.insert(0, (space, list(finished), _copy(h)))
+            del self._kept[self.KEPT :]
+            return h
+
+
+def _begins_with(trials: Sequence[FrozenTrial], prefix: Sequence[FrozenTrial]) -> bool:
+    return len(prefix) <= len(trials) and all(
+        a is b for a, b in zip(prefix, trials[: len(prefix)], strict=True)
+    )
+
+
+def _copy(h: History) -> History:
+    """``h`` with containers of its own (an Observation is frozen: shared)."""
+    return dataclasses.replace(
+        h, observations=list(h.observations), taught=list(h.taught), measured=dict(h.measured),
+        looks=defaultdict(int, h.looks), values=dict(h.values), running=dict(h.running),
+        trial_ids=set(h.trial_ids),
+    )  # fmt: skip
+
+
+_LEARNT = _Learnt()
 
 
 def _learn(h: History, space: OptunaSpace, t: FrozenTrial) -> None:
