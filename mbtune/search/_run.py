@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import multiprocessing
 import os
 import signal
 import time
+import warnings
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,7 @@ __all__ = [
     "predict_out_of_memory",
     "resume_search",
     "run_search",
+    "screen_beside",
     "start_ray",
     "trial_resources",
 ]
@@ -95,7 +99,13 @@ def run_search(
     say = echo or print_line
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
-    cluster = start_ray(exp, address, dashboard, verbose, say)
+    screening = screen_beside(exp, points, say, verbose)  # while Ray starts
+    try:
+        cluster = start_ray(exp, address, dashboard, verbose, say)
+    except BaseException:
+        if screening is not None:
+            screening.cancel()
+        raise
     run = RunDir.create(exp.output_dir, exp.name)
     lock = RunLock.take(run.path, command="mbtune run")  # a --resume of it waits its turn
     try:
@@ -105,7 +115,7 @@ def run_search(
         # what Ray pickles names the directory whole: a resume may start anywhere
         kept = RunDir(run.path.absolute())
         searcher = _searcher_for(exp, model, kept, say)
-        predicted = predict_out_of_memory(exp, points, kept, say)
+        predicted = predict_out_of_memory(exp, points, kept, say, screening=screening)
         searcher.add_predicted(predicted)
         if earlier is not None:
             told = _warm_start(searcher, earlier, exp, points)
@@ -245,33 +255,69 @@ def _fit(
     return outcome
 
 
+def screen_beside(
+    exp: Experiment, points: list[BatchConfig], say: Any, verbose: bool = False
+) -> Future[Screening] | None:
+    """The memory screen (:func:`predict_out_of_memory`) started in a process of its own
+    (spawned: this process never imports torch, and a fork of it would carry its threads),
+    to run while Ray starts; what it will find. None where there is nothing to screen, or
+    where the budget is known only on a CUDA card of the cluster (``trial.device_memory``
+    unset): that screen is a Ray task once Ray runs. Its process ends once it has answered;
+    without ``verbose`` its warnings are not shown (those of a Ray task are not either)."""
+    tr = exp.trial
+    if not exp.search.predict_memory or tr.backend == "replay" or tr.device_memory is None:
+        return None
+    say(f"mbtune: predicting the memory of {len(points)} configurations (search.predict_memory)")
+    quiet = {} if verbose else {"initializer": warnings.simplefilter, "initargs": ("ignore",)}
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), **quiet)
+    try:
+        return pool.submit(screen, exp, points)
+    finally:
+        pool.shutdown(wait=False)  # the screen submitted runs on; the process ends after it
+
+
 def predict_out_of_memory(
-    exp: Experiment, points: list[BatchConfig], run: RunDir, say: Any
+    exp: Experiment,
+    points: list[BatchConfig],
+    run: RunDir,
+    say: Any,
+    *,
+    screening: Future[Screening] | None = None,
 ) -> list[TrialRecord]:
     """Before the first trial: the configurations predicted not to fit the memory budget
-    (mbtune.trial.screen.screen, in a Ray task: this process never imports torch), each
-    recorded in trials.csv as an ``oom`` whose reason starts with ``predicted:``, without a
-    trial; their records. Nothing where ``search.predict_memory`` is false, for replayed
-    trials, and where no budget is known (a CPU without ``trial.device_memory``; a CUDA
-    card's memory is read in the task, on a GPU of the cluster). A model that cannot be
-    predicted is said in one line, and measured."""
+    (mbtune.trial.screen.screen, in a process of its own: this one never imports torch),
+    each recorded in trials.csv as an ``oom`` whose reason starts with ``predicted:``,
+    without a trial; their records. ``screening``: the screen started while Ray started
+    (:func:`screen_beside`), else a Ray task screens now. Nothing where
+    ``search.predict_memory`` is false, for replayed trials, and where no budget is known
+    (a CPU without ``trial.device_memory``; a CUDA card's memory is read in the task, on a
+    GPU of the cluster). A model that cannot be predicted is said in one line, and
+    measured."""
     tr = exp.trial
     if not exp.search.predict_memory or tr.backend == "replay":
         return []
-    gpus = 0
-    if tr.device_memory is None:
-        if tr.device == "cpu" or not exp.gpus_per_trial:
-            return []  # no budget: a CPU trial has none, a CUDA card's is read on the card
-        if ray.cluster_resources().get("GPU", 0) < 1:
-            return []  # no card to read it from (nor to run a trial on)
-        gpus = 1
-    say(f"mbtune: predicting the memory of {len(points)} configurations (search.predict_memory)")
-    # a process of its own (max_calls): torch and what the model imported go with it
-    task = ray.remote(num_cpus=0, num_gpus=gpus, max_calls=1)(screen)
-    try:
-        found = ray.get(task.remote(exp, points))
-    except ray.exceptions.RayError as e:  # its process died (the machine's own memory)
-        found = Screening(None, failed=" ".join(str(e).split())[:300])
+    if screening is not None:
+        try:
+            found = screening.result()
+        except Exception as e:  # noqa: BLE001 - its process died (the machine's memory), or
+            # what it answered did not come back whole: the search measures instead
+            found = Screening(None, failed=" ".join(f"{type(e).__name__}: {e}".split())[:300])
+    else:
+        gpus = 0
+        if tr.device_memory is None:
+            if tr.device == "cpu" or not exp.gpus_per_trial:
+                return []  # no budget: a CPU trial has none, a CUDA card's is read on the card
+            if ray.cluster_resources().get("GPU", 0) < 1:
+                return []  # no card to read it from (nor to run a trial on)
+            gpus = 1
+        say(f"mbtune: predicting the memory of {len(points)} configurations "
+            "(search.predict_memory)")  # fmt: skip
+        # a process of its own (max_calls): torch and what the model imported go with it
+        task = ray.remote(num_cpus=0, num_gpus=gpus, max_calls=1)(screen)
+        try:
+            found = ray.get(task.remote(exp, points))
+        except ray.exceptions.RayError as e:  # its process died (the machine's own memory)
+            found = Screening(None, failed=" ".join(str(e).split())[:300])
     if found.failed:
         say(f"mbtune: memory prediction failed, every configuration is measured: {found.failed}")
         return []
