@@ -25,7 +25,7 @@ one micro-batch size was measured at two counts (one device counts: it moves not
 Where the run cannot tell bandwidth from latency (one device count above 1), the latency
 is the prior's and the bandwidth is fitted; where it cannot see the link at all, the link
 is the prior (plan.intra_node). A fitted link is then combined with its prior, which
-yields where the measurements contradict it (:func:`_with_prior`); and past the device counts
+yields where the measurements contradict it (mbtune.plan.prior); and past the device counts
 measured, a step's collectives never cost less than the fitted link alone says: a plan
 never scales better than the measurements below it imply. The link between nodes is always
 the prior: no run of mbtune crosses one.
@@ -39,10 +39,8 @@ as they are, with the prior at its median. Pure: numpy and scipy only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 from scipy.optimize import nnls
@@ -50,7 +48,8 @@ from scipy.optimize import nnls
 from mbtune.comm import Link, all_reduce, step_traffic
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, bubble_fraction
-from mbtune.plan.layout import Activations, Parts, layout_traffic, placed_s
+from mbtune.plan.layout import Activations, layout_traffic, placed_s
+from mbtune.plan.prior import prior_link, with_prior
 from mbtune.recommend.noise import (
     between_trial_drift,
     drift_variance,
@@ -62,7 +61,6 @@ from mbtune.runs.record import TrialRecord
 
 __all__ = [
     "DRAWS",
-    "PRIOR_HOLDS",
     "StepModel",
     "fit_step_model",
     "observations",
@@ -72,15 +70,6 @@ DRAWS = 1000
 """Bootstrap draws: the 5th and 95th percentiles of 1000 draws move by 1.5 to 3% of the
 interval's width (an sd) from one seed to another (three generated landscapes at 256
 devices, bench/plan_coverage.py's, ten seeds each)."""
-_IQR_TO_SD = 1.349
-"""The interquartile range of a normal distribution, in sds."""
-PRIOR_HOLDS = 0.9
-"""How likely a cluster's link is near the prior's figures (within its ``uncertainty``)
-before the run says anything; otherwise it may be anything (:data:`_ANYTHING_SD`). A fitted
-link far outside the prior's spread is then read as that other case, and the prior yields
-to the measurements (:func:`_with_prior`)."""
-_ANYTHING_SD = 2.0
-"""The sd of the log of a link that is not near the prior: 7x either way at one sd."""
 
 
 def observations(records: Sequence[TrialRecord]) -> list[Observation]:
@@ -237,19 +226,31 @@ def fit_step_model(
     noise = rng.standard_normal((len(found), draws + 1))
     noise[:, 0] = 0.0
     factor = np.exp(noise * _relative_sds(found, noise_floor)[:, None])  # per trial, per draw
-    intra = _prior(intra_prior, rng, draws)
-    inter = _prior(inter_prior, rng, draws)
+    intra = prior_link(intra_prior, rng, draws)
+    inter = prior_link(inter_prior, rng, draws)
     counts = tuple(sorted({f.config.num_devices for f in found}))
-    traffic = partial(layout_traffic, grad_bytes=grad_bytes, sharding=sharding,
-                      activations=activations)  # fmt: skip
-    fit = _fit(found, factor, traffic, grad_bytes, sharding, per_node, intra.latency_s)
+    plain = [i for i, f in enumerate(found) if not _split(f.config)]
+    split = [i for i, f in enumerate(found) if _split(f.config)]
+    fit = _fit([found[i] for i in plain], factor[plain], grad_bytes, sharding, per_node,
+               intra.latency_s)  # fmt: skip
     measured, basis = None, _why_not_fitted(found, counts, per_node, grad_bytes, fit.link)
     if fit.link is not None:
         measured = fit.link
-        intra, held = _with_prior(fit, intra, intra_prior, grad_bytes, sharding, rng)
+        intra, held = with_prior(fit.link, fit.link_counts, fit.latency_fitted, intra,
+                                 intra_prior, grad_bytes, sharding, rng)  # fmt: skip
         basis = _fitted_basis(fit.link_counts, held, fit.latency_fitted)
+    compute = dict(fit.compute)
+    if split:
+
+        def sync_s(config: BatchConfig) -> np.ndarray:
+            parts = layout_traffic(config, grad_bytes=grad_bytes, sharding=sharding,
+                                   activations=activations)  # fmt: skip
+            return placed_s(config, parts, per_node, intra, inter)
+
+        compute.update(_split_compute([found[i] for i in split], factor[split], sync_s,
+                                      grad_bytes, sharding))  # fmt: skip
     return StepModel(
-        compute=fit.compute,
+        compute=compute,
         intra=intra,
         measured=measured,
         inter=inter,
@@ -259,7 +260,7 @@ def fit_step_model(
         activations=activations,
         link_basis=basis,
         folded_sync=fit.folded,
-        largest_micro_batch={key: int(sizes[-1]) for key, (sizes, _) in fit.compute.items()},
+        largest_micro_batch={key: int(sizes[-1]) for key, (sizes, _) in compute.items()},
         device_counts=counts,
     )
 
@@ -279,24 +280,24 @@ class _Fitted:
 def _fit(
     found: Sequence[Observation],
     factor: np.ndarray,
-    traffic_of: Callable[[BatchConfig], Parts],
     grad_bytes: int,
     sharding: str,
     per_node: int,
     prior_latency: np.ndarray,
 ) -> _Fitted:
-    """One non-negative least-squares fit per draw, relative to each measured time: the
-    seconds per micro-batch at each measured (variant, m), the intra-node link's seconds
-    per byte and per hop, and the collectives of each device count and layout beyond a
-    node whose step times folded them in.
+    """One non-negative least-squares fit per draw of the trials of an unsplit model,
+    relative to each measured time: the seconds per micro-batch at each measured
+    (variant, m), the intra-node link's seconds per byte and per hop, and the collectives
+    of each device count beyond a node whose step times folded them in.
 
-    Rows: a step time, t = g x c_v(m) x (1 + bubble) + [T . (1 / bandwidth, latency) where
-    the trial folded its collectives in (a replay, a real split model) within a node, T
-    every kind of its traffic (``traffic_of``); + s(n, layout) beyond one; nothing where it
-    said them apart, which is taken off first]; and a ddp trial's timed collectives, t =
-    T . (1 / bandwidth, latency). Columns the measurements cannot tell apart are dropped in
-    turn: the latency (then the prior's), the link (then the prior), the folded s (then
-    folded into c, as they cannot be told from the compute)."""
+    Rows: a step time, t = g x c(m) + [T . (1 / bandwidth, latency) where the trial folded
+    its collectives in (a replay) within a node; + s(n) beyond one; nothing where it said
+    them apart, which is taken off first]; and a ddp trial's timed collectives, t = T .
+    (1 / bandwidth, latency). Columns the measurements cannot tell apart are dropped in
+    turn: the latency (then the prior's), the link (then the prior), the folded s(n)
+    (then folded into c, as they cannot be told from the compute)."""
+    if not found:
+        return _Fitted({}, None, False, (), {})
     groups = sorted({(f.config.variant, f.config.canonical_micro_batch_size) for f in found})
     col = {key: j for j, key in enumerate(groups)}
     apart = [_said_apart(f, grad_bytes, sharding) for f in found]
@@ -320,7 +321,7 @@ def _fit(
         elif c.num_devices > per_node:
             a[i, k + 2 + beyond.index((c.num_devices, c.layout))] = 1.0
         elif c.num_devices > 1:
-            traffic = traffic_of(c).total
+            traffic = step_traffic(c, grad_bytes=grad_bytes, sharding=sharding)
             a[i, k : k + 2] = traffic.volume, traffic.hops
             link_counts.add(c.num_devices)
     for row, i in enumerate(timed, start=len(found)):
@@ -365,86 +366,38 @@ def _fit(
     return _Fitted(compute, fitted, latency_fitted and link, tuple(sorted(link_counts)), folded)
 
 
-def _with_prior(
-    fit: _Fitted,
-    prior: Link,
-    figures: tuple[float, float, float],
+def _split_compute(
+    found: Sequence[Observation],
+    factor: np.ndarray,
+    sync_s: Callable[[BatchConfig], np.ndarray],
     grad_bytes: int,
     sharding: str,
-    rng: np.random.Generator,
-) -> tuple[Link, float]:
-    """The fitted intra-node link with its prior, and the weight the prior kept.
-
-    Whether the prior holds is read where the measurements are surest: the collectives of
-    a step at the largest device count whose link they show, the fit's against the
-    prior's, in logs (bandwidth and latency alone can be far less sure than their sum: a
-    few device counts barely tell them apart). The prior is a mixture: with
-    :data:`PRIOR_HOLDS` the link is near its figures (the draws' own spread), otherwise
-    anything (:data:`_ANYTHING_SD`); each explains the fit's collectives by the chance of
-    that gap. Where the prior holds, each figure is the fit's and the prior's combined by
-    their precisions (:func:`_combine`); where it does not, the fit's draws stand as they
-    are. Each draw takes one case by its weight; draw 0, the likelier."""
-    n = max(fit.link_counts)
-    config = BatchConfig(n, n, 1)  # one micro-batch
-    traffic = step_traffic(config, grad_bytes=grad_bytes, sharding=sharding)
-    said = np.log(np.maximum(traffic.seconds(fit.link.bandwidth, fit.link.latency_s), 1e-15))
-    expected = np.log(traffic.seconds(prior.bandwidth, prior.latency_s))
-    fit_var, prior_var = _robust_var(said), _robust_var(expected)
-    gap = float(said[0] - expected[0])
-    if figures[2] == 0:
-        return prior, 1.0  # a prior held exactly (uncertainty 0)
-    evidence = [
-        share * math.exp(-0.5 * gap**2 / total) / math.sqrt(total)
-        for share, total in ((PRIOR_HOLDS, max(fit_var + prior_var, 1e-12)),
-                             (1 - PRIOR_HOLDS, fit_var + _ANYTHING_SD**2))
-    ]  # fmt: skip
-    held = evidence[0] / sum(evidence)
-    bandwidth = _combine(fit.link.bandwidth, figures[0], figures[2], rng)
-    latency = prior.latency_s
-    if fit.latency_fitted:
-        latency = _combine(fit.link.latency_s, figures[1], figures[2], rng)
-    near = rng.random(bandwidth.size) < held
-    near[0] = held >= 0.5
-    return Link(np.where(near, bandwidth, fit.link.bandwidth),
-                np.where(near, latency, fit.link.latency_s)), held  # fmt: skip
-
-
-def _robust_var(logs: np.ndarray) -> float:
-    """The variance of draws by their interquartile range (draw 0, the point, left out)."""
-    if logs.size < 3:
-        return 0.0
-    q1, q3 = np.percentile(logs[1:], [25, 75])
-    return float(((q3 - q1) / _IQR_TO_SD) ** 2)
-
-
-def _combine(fit: np.ndarray, prior: float, spread: float, rng: np.random.Generator) -> np.ndarray:
-    """A fitted link figure combined with its prior, in logs, each weighted by its
-    precision: the fit's spread is its draws' (a robust sd: the draws of a figure the
-    measurements barely show, a latency where the bytes dominate, scatter widely), the
-    prior's its ``uncertainty``. Draw 0 is the combination's centre; the others are drawn
-    about it with the combination's sd (a normal approximation in logs)."""
-    logs = np.log(np.maximum(fit, prior * 1e-6))
-    centre = float(np.median(logs[1:])) if logs.size > 1 else float(logs[0])
-    fit_var = _robust_var(logs)
-    centre = float(logs[0]) if logs.size == 1 else centre
-    if fit_var == 0:
-        weights = (1.0, 0.0)
-    else:
-        precision = 1 / fit_var + 1 / spread**2
-        weights = (1 / fit_var / precision, 1 / spread**2 / precision)
-    mean = weights[0] * float(logs[0]) + weights[1] * math.log(prior)
-    sd = 0.0 if fit_var == 0 else math.sqrt(1 / precision)
-    z = rng.standard_normal(logs.size)
-    z[0] = 0.0
-    return np.exp(mean + sd * z)
-
-
-def _prior(prior: tuple[float, float, float], rng: np.random.Generator, draws: int) -> Link:
-    """The prior link's draws: lognormal about the given figures (draw 0 at them)."""
-    bandwidth, latency_s, spread = prior
-    z = rng.standard_normal((2, draws + 1)) * spread
-    z[:, 0] = 0.0
-    return Link(bandwidth * np.exp(z[0]), latency_s * np.exp(z[1]))
+) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """Each split variant's seconds per micro-batch at each measured size, per draw: what
+    its step times leave once the step's collectives are taken off (said apart by the
+    trial, else ``sync_s``: every kind over the links), over its passes; where a size was
+    measured at several device counts, their least squares relative to each time. A split
+    model's tensor-parallel and pipeline traffic grows with its micro-batches as its
+    compute does, so its step times cannot show the link: it is fitted without them."""
+    rows: dict[tuple, list[int]] = {}
+    for i, f in enumerate(found):
+        rows.setdefault((f.config.variant, f.config.canonical_micro_batch_size), []).append(i)
+    floor = 1e-3 * min(_step_s(f) / f.config.grad_accum_steps for f in found)
+    at = {}
+    for key, members in rows.items():
+        num, den = 0.0, 0.0
+        for i in members:
+            f = found[i]
+            apart = _said_apart(f, grad_bytes, sharding)
+            left = _step_s(f) * factor[i] - (apart if apart is not None else sync_s(f.config))
+            weight, passes = _step_s(f) ** -2, _passes(f.config)
+            num, den = num + weight * passes * left, den + weight * passes**2
+        at[key] = np.maximum(num / den, floor)
+    return {
+        variant: (np.array(sizes), np.array([at[variant, m] for m in sizes]))
+        for variant in sorted({v for v, _ in at})
+        for sizes in [sorted(m for v, m in at if v == variant)]
+    }
 
 
 _PRIOR_ALONE = "the link rests on the prior alone (plan.intra_node, plan.inter_node): "
@@ -465,6 +418,13 @@ def _why_not_fitted(
     if grad_bytes <= 0:
         return _PRIOR_ALONE + "the model has no gradient to all-reduce"
     within = [f for f in found if 1 < f.config.num_devices <= per_node]
+    if within and all(_split(f.config) for f in within):
+        return _PRIOR_ALONE + (
+            "the run measured no layout without tensor or pipeline parallelism from 2 devices "
+            f"to a node's {per_node} (a split layout's collectives grow with its "
+            "micro-batches as its compute does: its step times cannot show the link)"
+        )
+    within = [f for f in within if not _split(f.config)]
     if within and all(f.comm_s is not None and not f.comm_timed for f in within):
         return _PRIOR_ALONE + (
             "the run's collectives were modelled (trial.parallel: simulate), not measured"
