@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mbtune.analysis.export import FRAMEWORKS, PRECISIONS, SHARDINGS, export_config, expressible
+from mbtune.analysis.export_parallel import TORCHTITAN_SCHEDULES
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import PIPELINE_SCHEDULES, BatchConfig
 
 # ---------------------------------------------------------------------------
 # each framework's snippet, read back the way the framework reads it, and its rule
@@ -31,24 +32,45 @@ def accelerate(text: str, n: int) -> dict:
     lines = [line[2:] for line in text.splitlines() if re.match(r"# \w+ = \w+\(", line)]
     script = python_calls("\n".join(lines))
     g, m = script["Accelerator"]["gradient_accumulation_steps"], script["DataLoader"]["batch_size"]
-    # Accelerate: the loader batch (per process) x gradient_accumulation_steps x num_processes
-    assert data["num_processes"] == n and data["num_machines"] == 1
+    # Accelerate: the loader batch (per process) x gradient_accumulation_steps x num_processes,
+    # the data-parallel ones: num_processes / the tensor-parallel size
+    tp = (data.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1)
+    assert data["num_processes"] == n * tp and data["num_machines"] == 1
     return {"batch_size": m * g * n, "micro_batch_size": m}
 
 
 def torchtitan(text: str, n: int) -> dict:
-    data = toml(text)
-    b, m = data["training"]["global_batch_size"], data["training"]["local_batch_size"]
-    dp = data["parallelism"]
-    # torchtitan: the global batch divisible by the local batch x the data-parallel degree
-    assert dp["data_parallel_shard_degree"] * dp["data_parallel_replicate_degree"] == n
-    assert b % (m * n) == 0
+    values, _ = cli_args(text)
+    b, local = (
+        int(values["--training.global_batch_size"]),
+        int(values["--training.local_batch_size"]),
+    )
+    shard = int(values["--parallelism.data_parallel_shard_degree"])
+    replicate = int(values["--parallelism.data_parallel_replicate_degree"])
+    pipeline = int(values.get("--parallelism.pipeline_parallel_degree") or 1)
+    m = int(values["--parallelism.pipeline_parallel_microbatch_size"]) if pipeline > 1 else local
+    # torchtitan: the global batch divisible by the local batch x the data-parallel degree;
+    # with a pipeline, the local batch split into micro-batches of pipeline_parallel_microbatch_size
+    assert shard * replicate == n
+    assert b % (local * n) == 0 and local % m == 0
     return {"batch_size": b, "micro_batch_size": m}
 
 
-def toml(text: str) -> dict:
-    """TOML read as torchtitan reads it (Python 3.11's tomllib; skipped on 3.10)."""
-    return pytest.importorskip("tomllib").loads(text)
+def cli_args(text: str) -> tuple[dict[str, str | None], list[str]]:
+    """A command line's ``--flag value`` and ``--flag`` (None) pairs, and its positional
+    words (torchtitan's ``activation-checkpoint:full``), its comment lines left out."""
+    args = [a for line in text.splitlines() if not line.startswith("#") for a in shlex.split(line)]
+    values: dict[str, str | None] = {}
+    positional, flag = [], None
+    for arg in args:
+        if arg.startswith("--"):
+            values[arg] = None
+            flag = arg
+        elif flag is not None and not re.fullmatch(r"[a-z-]+:[a-z-]+", arg):  # a subcommand
+            values[flag], flag = arg, None
+        else:
+            positional.append(arg)
+    return values, positional
 
 
 def python_calls(text: str) -> dict[str, dict]:
@@ -99,7 +121,12 @@ def lightning(text: str, n: int) -> dict:
     calls = python_calls(text)
     devices = calls["Trainer"]["devices"]
     g, m = calls["Trainer"]["accumulate_grad_batches"], calls["DataLoader"]["batch_size"]
-    # Lightning: the loader batch (per process) x accumulate_grad_batches x devices
+    # Lightning: the loader batch (per process) x accumulate_grad_batches x devices, whose
+    # data-parallel ones only where ModelParallelStrategy splits the model
+    split = calls.get("ModelParallelStrategy")
+    if split:
+        assert devices == split["data_parallel_size"] * split["tensor_parallel_size"]
+        devices = split["data_parallel_size"]
     assert devices == n
     return {"batch_size": m * g * devices, "micro_batch_size": m}
 
@@ -114,14 +141,51 @@ def megatron(text: str, n: int) -> dict:
 
 def megatron_args(text: str) -> dict[str, str | None]:
     """Megatron's command-line arguments: ``--flag value``, or ``--flag`` alone (None)."""
-    args = [a for line in text.splitlines() if not line.startswith("#") for a in shlex.split(line)]
-    values: dict[str, str | None] = {}
-    for arg in args:
-        if arg.startswith("--"):
-            values[arg] = None
-        else:
-            values[list(values)[-1]] = arg
+    values, positional = cli_args(text)
+    assert positional == []
     return values
+
+
+def nemo(text: str, n: int) -> dict:
+    fields = nemo_fields(text)
+    m, b = fields["data.micro_batch_size"], fields["data.global_batch_size"]
+    devices = fields["trainer.devices"] * fields["trainer.num_nodes"]
+    t = fields["trainer.strategy.tensor_model_parallel_size"]
+    p = fields["trainer.strategy.pipeline_model_parallel_size"]
+    # NeMo (Megatron's): the global batch divisible by micro-batch x data-parallel size
+    assert devices // (t * p) == n and devices % (t * p) == 0
+    assert b % (m * n) == 0
+    return {"batch_size": b, "micro_batch_size": m}
+
+
+def nemo_fields(text: str) -> dict[str, object]:
+    """Each ``recipe.a.b = value`` of a NeMo snippet: its path below ``recipe`` and its value
+    (a constant, or the source of an expression); every path one NeMo 2's recipe has."""
+    fields = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign):
+            (target,) = node.targets
+            path = ast.unparse(target)
+            assert path.startswith("recipe."), path
+            value = node.value
+            fields[path.removeprefix("recipe.")] = (
+                value.value if isinstance(value, ast.Constant) else ast.unparse(value)
+            )
+    assert set(fields) <= NEMO_RECIPE_FIELDS, set(fields) - NEMO_RECIPE_FIELDS
+    return fields
+
+
+# NeMo 2.7's recipe (a NeMo-Run Partial of llm.pretrain): nl.Trainer's devices, num_nodes and
+# plugins; MegatronStrategy's __init__ parameters; the data module's (MockDataModule,
+# PreTrainingDataModule); the model's megatron.core TransformerConfig recompute fields
+NEMO_RECIPE_FIELDS = {
+    "trainer.devices", "trainer.num_nodes", "trainer.plugins",
+    *(f"trainer.strategy.{name}" for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size", "sequence_parallel", "fsdp")),
+    "data.micro_batch_size", "data.global_batch_size",
+    *(f"model.config.recompute_{name}" for name in ("granularity", "method", "num_layers")),
+}  # fmt: skip
 
 
 HF_KEYS = {
@@ -131,7 +195,7 @@ HF_KEYS = {
 
 READ_BACK = {
     f.__name__: f
-    for f in (accelerate, cerebras, composer, deepspeed, hf, lightning, megatron, torchtitan)
+    for f in (accelerate, cerebras, composer, deepspeed, hf, lightning, megatron, nemo, torchtitan)
 }
 
 
@@ -202,7 +266,7 @@ def test_megatron_pipeline_stages():
     export = export_config("megatron", BatchConfig(64, 8, 4, pipeline_parallel=4))
     assert "--pipeline-model-parallel-size 4" in export.text
     assert megatron(export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
-    assert "launch on 2 data-parallel devices x 4 pipeline stages (8 in all)" in export.notes
+    assert "launch on 8 devices: 2 data-parallel x 4 pipeline stages (1f1b)" in export.notes
 
 
 def test_an_unknown_framework():
@@ -214,27 +278,31 @@ def test_an_unknown_framework():
 
 @st.composite
 def configs(draw):
-    n = draw(st.integers(1, 8))
-    b = draw(st.integers(n, 300))
-    m = draw(st.integers(1, -(-b // n)))
-    return BatchConfig(b, n, m)
+    d = draw(st.integers(1, 8))  # replicas, each split t x p where the layout says so
+    t, p = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
+    schedule = draw(st.sampled_from(PIPELINE_SCHEDULES))
+    b = draw(st.integers(d, 300))
+    m = draw(st.integers(1, -(-b // d)))
+    return BatchConfig(b, d * t * p, m, tensor_parallel=t, pipeline_parallel=p,
+                       pipeline_schedule=schedule)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
 @given(config=configs(), framework=st.sampled_from(FRAMEWORKS))
 def test_every_export_obeys_its_frameworks_rule(config, framework):
     export = export_config(framework, config)
-    read = READ_BACK[framework](export.text, config.num_devices)
+    d = config.data_parallel
+    read = READ_BACK[framework](export.text, d)
     m = config.canonical_micro_batch_size
     assert read["micro_batch_size"] == m  # the micro-batch that ran, and the same devices
     assert read["batch_size"] == export.config.batch_size
-    if BatchConfig(config.batch_size, config.num_devices, m).is_strict:
+    if dataclasses.replace(config, micro_batch_size=m).is_strict:
         assert export.config.batch_size == config.batch_size  # nothing to change
-    # no batch size the framework accepts for (n, m) is nearer than the exported one
-    step = config.num_devices * (1 if framework == "composer" else m)
+    # no batch size the framework accepts for (d, m) is nearer than the exported one
+    step = d * (1 if framework == "composer" else m)
     distance = abs(export.config.batch_size - config.batch_size)
     for other in range(max(step, config.batch_size - distance + 1), config.batch_size + distance):
-        if other % step == 0 and other // config.num_devices >= m:
+        if other % step == 0 and other // d >= m:
             pytest.fail(f"{other} is nearer to {config.batch_size} than {export.config}")
 
 
@@ -247,8 +315,14 @@ def precision_setting(framework: str, text: str) -> object:
     if framework == "accelerate":
         return yaml.safe_load(text)["mixed_precision"]
     if framework == "torchtitan":
-        training = toml(text)["training"]
-        return training["mixed_precision_param"], training["mixed_precision_reduce"]
+        values, _ = cli_args(text)
+        return (values["--training.mixed_precision_param"],
+                values["--training.mixed_precision_reduce"])  # fmt: skip
+    if framework == "nemo":  # its plugin: a factory's name, or the precision it is given
+        plugin = ast.parse(nemo_fields(text)["trainer.plugins"]).body[0].value
+        if isinstance(plugin.func, ast.Name):
+            return plugin.func.id
+        return {k.arg: ast.unparse(k.value) for k in plugin.keywords}["precision"]
     if framework == "cerebras":
         model = yaml.safe_load(text)["model"]
         return model["mixed_precision"], model.get("fp16_type")
@@ -282,6 +356,7 @@ PRECISION_SETTINGS = {
     "lightning": {"fp32": ("32-true", False), "tf32": ("32-true", True),
                   "bf16": ("bf16-mixed", False), "fp16": ("16-mixed", False)},
     "megatron": {"fp32": (), "tf32": (), "bf16": ("--bf16",), "fp16": ("--fp16",)},
+    "nemo": {"fp32": "'32'", "tf32": "'32'", "bf16": "bf16_mixed", "fp16": "fp16_mixed"},
 }  # fmt: skip
 TF32_NOTE = 'call torch.set_float32_matmul_precision("high") before training'
 
@@ -293,7 +368,7 @@ def test_the_precision_is_in_the_frameworks_own_keys(framework, precision):
     assert precision_setting(framework, export.text) == PRECISION_SETTINGS[framework][precision]
     assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
     tf32_note = [n for n in export.notes if "tf32" in n]
-    no_tf32 = ("accelerate", "composer", "deepspeed", "megatron", "torchtitan")
+    no_tf32 = ("accelerate", "composer", "deepspeed", "megatron", "nemo", "torchtitan")
     if precision == "tf32" and framework in no_tf32:
         assert tf32_note == [f"precision tf32: {framework} has no setting for it; {TF32_NOTE} "
                              "(TF32 matmuls, fp32 everything else)"]  # fmt: skip
@@ -329,8 +404,14 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
         assert kwargs == {"use_reentrant": False}
         assert "activation_checkpointing" not in json.loads(plain.text)
     elif framework == "torchtitan":
-        assert toml(export.text)["activation_checkpoint"]["mode"] == "full"
-        assert toml(plain.text)["activation_checkpoint"]["mode"] == "none"
+        assert cli_args(export.text)[1] == ["activation-checkpoint:full"]
+        assert cli_args(plain.text)[1] == ["activation-checkpoint:none"]
+    elif framework == "nemo":  # megatron.core's TransformerConfig, as Megatron's arguments
+        fields = nemo_fields(export.text)
+        assert fields["model.config.recompute_granularity"] == "full"
+        assert fields["model.config.recompute_method"] == "uniform"
+        assert fields["model.config.recompute_num_layers"] == 1
+        assert "model.config.recompute_granularity" not in nemo_fields(plain.text)
     elif framework == "megatron":
         args = megatron_args(export.text)
         assert (args["--recompute-granularity"], args["--recompute-method"]) == ("full", "uniform")
@@ -353,7 +434,7 @@ def test_activation_checkpointing_is_exported_or_said_how(framework, how):
         assert "transformers 4 names activation_checkpointing(_kwargs) gradient_checkpointing" in (
             " ".join(export.notes)
         )
-    if framework in ("hf", "megatron", "torchtitan"):
+    if framework in ("hf", "megatron", "nemo", "torchtitan"):
         assert notes == []
     assert not [n for n in plain.notes if n.startswith("activation checkpointing")]
 
@@ -522,9 +603,12 @@ def sharding_setting(framework: str, text: str) -> object:
     if framework == "megatron":
         return tuple(a for a in megatron_args(text) if "fsdp" in a or a == "--ckpt-format")
     if framework == "torchtitan":
-        dp = toml(text)["parallelism"]
-        return (dp["data_parallel_shard_degree"], dp["data_parallel_replicate_degree"],
-                dp.get("fsdp_reshard_after_forward"))  # fmt: skip
+        values, _ = cli_args(text)
+        return (int(values["--parallelism.data_parallel_shard_degree"]),
+                int(values["--parallelism.data_parallel_replicate_degree"]),
+                values.get("--parallelism.fsdp_reshard_after_forward"))  # fmt: skip
+    if framework == "nemo":
+        return nemo_fields(text).get("trainer.strategy.fsdp")
     return "runconfig" in yaml.safe_load(text) and None  # cerebras: nothing to say it
 
 
@@ -544,6 +628,7 @@ SHARDING_SETTINGS = {  # (sharding, reshard_after_forward): the setting read bac
                   ("fsdp", False): {"sharding_strategy": "SHARD_GRAD_OP"}},
     "megatron": {("none", True): (), ("fsdp", True): FSDP2,
                  ("fsdp", False): (*FSDP2, "--torch-fsdp2-no-reshard-after-forward")},
+    "nemo": {("none", True): None, ("fsdp", True): "pytorch", ("fsdp", False): "pytorch"},
     "torchtitan": {("none", True): (1, 2, None), ("fsdp", True): (2, 1, "always"),
                    ("fsdp", False): (2, 1, "never")},
 }  # fmt: skip
@@ -588,7 +673,7 @@ def test_sharded_checkpointing_is_fsdps_own_where_the_framework_has_it(framework
             export.notes
         )
     else:
-        assert toml(export.text)["activation_checkpoint"]["mode"] == "full"
+        assert cli_args(export.text)[1] == ["activation-checkpoint:full"]
 
 
 def test_an_unknown_sharding():
@@ -645,6 +730,21 @@ def test_accelerate_config_launches_with_its_fsdp2_plugin(tmp_path, monkeypatch,
     assert (plugin.reshard_after_forward, plugin.activation_checkpointing) == (False, True)
 
 
+def trainer_arguments(lightning, text: str, monkeypatch) -> dict:
+    """What a Lightning snippet, pasted and run, hands its Trainer (whose FSDP and model
+    parallelism need CUDA: the Trainer is not built)."""
+    seen = {}
+
+    def trainer(**kwargs):
+        seen.update(kwargs)
+        return types.SimpleNamespace(fit=lambda *args: None)
+
+    monkeypatch.setattr(lightning.pytorch, "Trainer", trainer)  # what the snippet imports
+    names = {"train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)), "model": None}
+    exec(text, names)  # the snippet as a user pastes it
+    return seen
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_lightning_fsdp_strategy_is_built(reshard, monkeypatch):
     lightning = pytest.importorskip("lightning")
@@ -654,15 +754,7 @@ def test_lightning_fsdp_strategy_is_built(reshard, monkeypatch):
         "lightning", BatchConfig(64, 2, 4), precision="bf16", sharding="fsdp",
         reshard_after_forward=reshard,
     )  # fmt: skip
-    seen = {}
-
-    def trainer(**kwargs):  # Lightning's FSDP needs CUDA: checked for what it is handed
-        seen.update(kwargs)
-        return types.SimpleNamespace(fit=lambda *args: None)
-
-    monkeypatch.setattr(lightning.pytorch, "Trainer", trainer)  # what the snippet imports
-    names = {"train_dataset": torch.utils.data.TensorDataset(torch.zeros(64, 1)), "model": None}
-    exec(export.text, names)  # the snippet as a user pastes it
+    seen = trainer_arguments(lightning, export.text, monkeypatch)
     strategy = seen["strategy"]
     assert isinstance(strategy, FSDPStrategy)
     assert strategy.sharding_strategy.name == ("FULL_SHARD" if reshard else "SHARD_GRAD_OP")
@@ -682,3 +774,293 @@ def test_an_analyzed_sharded_run_exports_its_sharding(tmp_path, capsys):
     unsharded = make_run(tmp_path, [trial_row(32, 2, 8, 500.0)], name="plain")
     export_run(load_run(unsharded), run_info(unsharded), "deepspeed")
     assert "zero_optimization" not in json.loads(capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------------------
+# a split model (tensor_parallel t, pipeline_parallel p, pipeline_schedule)
+
+
+def split_config(t: int, p: int, schedule: str = "1f1b", b: int = 64) -> BatchConfig:
+    """2 replicas of a model split t x p: B samples as micro-batches of 4 on each replica."""
+    return BatchConfig(b, 2 * t * p, 4, tensor_parallel=t, pipeline_parallel=p,
+                       pipeline_schedule=schedule)  # fmt: skip
+
+
+# schedule -> (Megatron's virtual stages per rank, what its note says); g = 8 micro-batches
+MEGATRON_SCHEDULES = {
+    "gpipe": (1, "Megatron-LM has no GPipe schedule; exported its 1F1B"),
+    "1f1b": (1, None),
+    "interleaved_1f1b": (2, None),
+    "zbv": (2, "Megatron-LM has no zero-bubble V schedule; exported its interleaved 1F1B"),
+    "dualpipev": (2, "no zero-bubble V schedule; exported its interleaved 1F1B"),
+}
+
+
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+@pytest.mark.parametrize("layers", [8, None])
+def test_megatron_exports_the_layout_and_schedule(schedule, layers):
+    export = export_config("megatron", split_config(2, 2, schedule), header="h", layers=layers)
+    args = megatron_args(export.text)
+    assert megatron(export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    assert (args["--tensor-model-parallel-size"], args["--pipeline-model-parallel-size"]) == (
+        "2", "2")  # fmt: skip
+    v, said = MEGATRON_SCHEDULES[schedule]
+    per_stage = args.get("--num-layers-per-virtual-pipeline-stage")
+    per_rank = args.get("--num-virtual-stages-per-pipeline-rank")
+    if v == 1:
+        assert per_stage is per_rank is None
+    elif layers:  # 8 layers over 2 ranks x 2 virtual stages
+        assert (per_stage, per_rank) == ("2", None)
+    else:
+        assert (per_stage, per_rank) == (None, "2")
+        assert any("the model's layers are unknown here" in n for n in export.notes)
+    notes = [n for n in export.notes if n.startswith("pipeline_schedule")]
+    assert len(notes) == (said is not None) and (said is None or said in notes[0])
+    assert export.text.splitlines()[1] == (
+        "# tensor-parallel size 2, pipeline-parallel size 2, data-parallel size 2: 8 "
+        "micro-batches per step on each replica"
+    )
+    assert f"launch on 8 devices: 2 data-parallel x 2 tensor-parallel x 2 pipeline stages " \
+        f"({schedule})" in export.notes  # fmt: skip
+
+
+def test_megatron_runs_a_zero_bubble_schedule_as_1f1b_where_it_cannot_interleave():
+    export = export_config("megatron", split_config(1, 2, "zbv", b=40))  # g = 5: not 2's multiple
+    assert "--num-virtual-stages-per-pipeline-rank" not in export.text
+    assert any("exported its 1F1B (5 micro-batches are not a multiple of pipeline_parallel 2"
+               in n for n in export.notes)  # fmt: skip
+
+
+def test_megatron_shards_a_pipeline_with_its_distributed_optimizer():
+    piped = megatron_args(export_config("megatron", split_config(1, 2), sharding="fsdp").text)
+    assert "--use-distributed-optimizer" in piped and "--use-torch-fsdp2" not in piped
+    flat = megatron_args(export_config("megatron", split_config(2, 1), sharding="fsdp").text)
+    assert "--use-torch-fsdp2" in flat and "--untie-embeddings-and-output-weights" in flat
+
+
+@pytest.mark.parametrize(("t", "p", "schedule", "sharding"), [
+    (2, 1, "1f1b", "none"), (2, 1, "1f1b", "fsdp"), (1, 2, "1f1b", "none"),
+    (2, 2, "interleaved_1f1b", "none"), (1, 4, "zbv", "fsdp"), (2, 2, "gpipe", "fsdp"),
+])  # fmt: skip
+def test_megatron_arguments_pass_megatrons_own_validation(monkeypatch, t, p, schedule, sharding):
+    """Megatron-LM's parse_args and validate_args (megatron.training.arguments, from the
+    Megatron-LM repository beside an installed megatron-core) take the export as written,
+    and megatron.core's micro-batch calculator gives the g micro-batches measured."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+
+    config = split_config(t, p, schedule)
+    export = export_config("megatron", config, precision="bf16", sharding=sharding, layers=16)
+    model = "--num-layers 16 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+    model += "--max-position-embeddings 128"
+    argv = ["pretrain_gpt.py", *model.split()]
+    argv += [a for line in export.text.splitlines() if not line.startswith("#")
+             for a in shlex.split(line)]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.setenv("WORLD_SIZE", str(config.num_devices))
+    # Megatron's tensor parallelism needs 1 (the note says so), its torch FSDP2 more
+    fsdp2 = "--use-torch-fsdp2" in export.text
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS=1" in n for n in export.notes) == (t > 1 and not fsdp2)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8" if fsdp2 else "1")
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # a Hopper: no GPU here
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    v = MEGATRON_SCHEDULES[schedule][0]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (t, p)
+    assert args.virtual_pipeline_model_parallel_size == (v if v > 1 else None)
+    assert args.data_parallel_size == config.data_parallel == 2
+    calculator = ConstantNumMicroBatchesCalculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 0
+    )
+    assert calculator.get() == config.grad_accum_steps == 8
+
+
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_exports_the_layout_and_schedule(schedule):
+    export = export_config("torchtitan", split_config(2, 2, schedule), sharding="fsdp")
+    values, positional = cli_args(export.text)
+    assert torchtitan(export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    names = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+             "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}  # fmt: skip
+    assert values["--parallelism.pipeline_parallel_schedule"] == names[schedule]
+    assert values["--parallelism.tensor_parallel_degree"] == "2"
+    assert values["--parallelism.pipeline_parallel_degree"] == "2"
+    # one local batch of a replica's 32 samples, the pipeline's 8 micro-batches of 4
+    assert values["--training.local_batch_size"] == "32"
+    assert values["--parallelism.pipeline_parallel_microbatch_size"] == "4"
+    assert "--parallelism.no-enable-sequence-parallel" in values
+    assert positional == ["activation-checkpoint:none"]
+    assert not [n for n in export.notes if n.startswith("pipeline_schedule")]  # as measured
+
+
+def test_torchtitan_without_a_pipeline_accumulates_micro_batches():
+    values, _ = cli_args(export_config("torchtitan", split_config(2, 1)).text)
+    assert values["--training.local_batch_size"] == "4"  # 64 / (4 x 2): 8 accumulation steps
+    assert "--parallelism.pipeline_parallel_degree" not in values
+
+
+@pytest.mark.parametrize(("t", "p", "schedule", "sharding"), [
+    (1, 1, "1f1b", "none"), (2, 1, "1f1b", "fsdp"), (1, 2, "gpipe", "none"),
+    (2, 2, "interleaved_1f1b", "fsdp"), (1, 2, "dualpipev", "none"),
+])  # fmt: skip
+def test_torchtitan_reads_the_command_line(monkeypatch, t, p, schedule, sharding):
+    """torchtitan's ConfigManager (0.3: its tyro command line over a config of its registry)
+    reads the export, and its ParallelDims take the degrees over the trial's devices."""
+    manager = pytest.importorskip("torchtitan.config.manager")
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    config = split_config(t, p, schedule)
+    export = export_config("torchtitan", config, precision="bf16", sharding=sharding,
+                           activation_checkpointing=True)  # fmt: skip
+    args = [a for line in export.text.splitlines() if not line.startswith("#")
+            for a in shlex.split(line)]  # fmt: skip
+    job = manager.ConfigManager().parse_args(
+        ["--module", "llama3", "--config", "llama3_debugmodel", *args]
+    )
+    parallelism, training = job.parallelism, job.training
+    assert (parallelism.tensor_parallel_degree, parallelism.pipeline_parallel_degree) == (t, p)
+    assert type(job.activation_checkpoint).__qualname__ == "FullAC.Config"
+    assert training.mixed_precision_param == "bfloat16"
+    dims = ParallelDims.from_config(parallelism, world_size=config.num_devices)
+    assert (dims.dp_shard * dims.dp_replicate, dims.tp, dims.pp) == (2, t, p)
+    # the trainer's arithmetic: accumulation steps, and the pipeline's micro-batches
+    steps = training.global_batch_size // (training.local_batch_size * 2)
+    if p > 1:
+        assert parallelism.pipeline_parallel_schedule.lower() == schedule.replace("_", "") or (
+            TORCHTITAN_SCHEDULES[schedule] == parallelism.pipeline_parallel_schedule
+        )
+        micro = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+        assert (steps, micro) == (1, config.grad_accum_steps)
+    else:
+        assert steps == config.grad_accum_steps
+
+
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_nemo_exports_the_layout_in_its_recipe_fields(schedule):
+    export = export_config("nemo", split_config(2, 2, schedule), precision="bf16",
+                           header="from a test")  # fmt: skip
+    fields = nemo_fields(export.text)
+    assert nemo(export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    strategy = {k.removeprefix("trainer.strategy."): v for k, v in fields.items()
+                if k.startswith("trainer.strategy.")}  # fmt: skip
+    v = MEGATRON_SCHEDULES[schedule][0]
+    assert strategy == {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": v if v > 1 else None, "sequence_parallel": False,
+    }  # fmt: skip
+    assert fields["trainer.devices"] == 8 and fields["trainer.num_nodes"] == 1
+    assert fields["trainer.plugins"] == "bf16_mixed()"
+    assert undefined_names(export.text) == {"recipe"}  # the user's recipe, all else imported
+
+
+def test_nemo_shards_with_torch_fsdp2_but_not_a_pipeline():
+    flat = export_config("nemo", split_config(2, 1), sharding="fsdp", reshard_after_forward=False)
+    assert nemo_fields(flat.text)["trainer.strategy.fsdp"] == "pytorch"
+    assert any(n.startswith("reshard_after_forward false") for n in flat.notes)
+    piped = export_config("nemo", split_config(1, 2), sharding="fsdp")
+    assert "trainer.strategy.fsdp" not in nemo_fields(piped.text)
+    assert any("refuses pipeline parallelism" in n for n in piped.notes)
+
+
+def test_the_others_express_tensor_parallelism_where_they_have_it():
+    config = split_config(2, 1)
+    data = yaml.safe_load(export_config("accelerate", config).text)
+    assert data["num_processes"] == 4 and data["distributed_type"] == "FSDP"
+    assert data["parallelism_config"]["parallelism_config_tp_size"] == 2
+    assert data["parallelism_config"]["parallelism_config_dp_shard_size"] == 2  # see below
+    calls = python_calls(export_config("lightning", config).text)
+    assert calls["ModelParallelStrategy"] == {"data_parallel_size": 2, "tensor_parallel_size": 2}
+    assert calls["Trainer"]["devices"] == 4
+    deepspeed_config = json.loads(export_config("deepspeed", config).text)
+    assert deepspeed_config["tensor_parallel"] == {"autotp_size": 2}
+    composer_config = yaml.safe_load(export_config("composer", config).text)
+    assert composer_config["parallelism_config"]["tp"] == {"tensor_parallel_degree": 2}
+    hf_notes = export_config("hf", config, sharding="fsdp").notes
+    assert any("ParallelismConfig(dp_shard_size=2, tp_size=2)" in n for n in hf_notes)
+    cerebras_notes = export_config("cerebras", config).notes
+    assert any("no Cerebras counterpart; num_csx is the data-parallel 2" in n
+               for n in cerebras_notes)  # fmt: skip
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "composer", "hf", "lightning"])
+def test_a_framework_without_a_pipeline_says_so_and_names_what_would(framework):
+    export = export_config(framework, split_config(1, 2, "interleaved_1f1b"))
+    assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    assert (
+        f"pipeline_parallel 2 (interleaved_1f1b): {framework} trains no pipeline; exported the 2 "
+        "replicas' batches without the pipeline's split, which was not measured as such; the "
+        "megatron, nemo or torchtitan export splits it as measured"
+    ) in export.notes
+
+
+def test_deepspeed_pipeline_is_its_pipeline_module():
+    export = export_config("deepspeed", split_config(2, 2), sharding="fsdp")
+    data = json.loads(export.text)
+    assert data["zero_optimization"] == {"stage": 1} and "tensor_parallel" not in data
+    assert any("deepspeed.pipe.PipelineModule(layers=..., num_stages=2)" in n
+               for n in export.notes)  # fmt: skip
+    assert any("--num_gpus 4 " in n for n in export.notes)  # 2 replicas x 2 stages
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_accelerate_tensor_parallel_config_launches(tmp_path, monkeypatch, sharding):
+    pytest.importorskip("accelerate")
+    from accelerate import ParallelismConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    export = export_config("accelerate", split_config(2, 1), sharding=sharding)
+    path = tmp_path / export.filename
+    path.write_text(export.text)
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)  # the config file read as `accelerate launch`
+    assert (args.num_processes, args.use_fsdp, args.use_parallelism_config) == (4, True, True)
+    for key, value in prepare_multi_gpu_env(args).items():  # what each process is given
+        monkeypatch.setenv(key, value)
+    parallelism = ParallelismConfig()  # raises where tp_size > 1 has plain replicas
+    assert (parallelism.tp_size, parallelism.dp_shard_size, parallelism.dp_replicate_size) == (
+        2, 2, 1)  # fmt: skip
+    said = [n for n in export.notes if "takes no plain replicas" in n]
+    assert len(said) == (sharding == "none")
+
+
+def test_lightning_model_parallel_strategy_is_built(monkeypatch):
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    export = export_config("lightning", split_config(2, 1), precision="bf16", sharding="fsdp")
+    seen = trainer_arguments(lightning, export.text, monkeypatch)
+    strategy = seen["strategy"]
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 2)
+    assert (seen["devices"], seen["accumulate_grad_batches"]) == (4, 8)
+
+
+def test_analyze_exports_a_split_runs_layout(tmp_path, capsys):
+    from rundirs import EXPERIMENT, make_run, trial_row
+
+    from mbtune.cli import main
+    from mbtune.runs.record import SIZES
+
+    def split_row(b, m, speed, schedule):
+        config = BatchConfig(b, 8, m, tensor_parallel=2, pipeline_parallel=2,
+                             pipeline_schedule=schedule)  # fmt: skip
+        layout = {k: v for k, v in config.as_dict().items() if k not in SIZES}
+        return trial_row(b, 8, m, speed, sharding="fsdp", **layout)
+
+    experiment = {**EXPERIMENT, "model": {"name": "gpt", "n_layer": 8}}
+    path = make_run(tmp_path, [split_row(64, 4, 900.0, "interleaved_1f1b"),
+                               split_row(64, 8, 700.0, "1f1b")], experiment=experiment)  # fmt: skip
+    assert main(["analyze", str(path), "--export", "megatron"]) == 0
+    out, err = capsys.readouterr()
+    args = megatron_args(out)
+    assert (args["--tensor-model-parallel-size"], args["--pipeline-model-parallel-size"]) == (
+        "2", "2")  # fmt: skip
+    assert args["--num-layers-per-virtual-pipeline-stage"] == "2"  # gpt's 8 layers over 2 x 2
+    assert megatron(out, 2) == {"batch_size": 64, "micro_batch_size": 4}
+    assert "launch on 8 devices: 2 data-parallel x 2 tensor-parallel x 2 pipeline stages " \
+        "(interleaved_1f1b)" in err  # fmt: skip
+    assert main(["analyze", str(path), "--export", "torchtitan"]) == 0
+    values, _ = cli_args(capsys.readouterr().out)
+    assert values["--parallelism.pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert values["--parallelism.data_parallel_shard_degree"] == "2"  # sharded, as measured

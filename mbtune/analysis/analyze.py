@@ -25,7 +25,7 @@ from mbtune.analysis import frames as analysis
 from mbtune.analysis.export import check_framework, export_config
 from mbtune.config.rules import ConfigError
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import BatchConfig, stages_per_rank
 from mbtune.report import export_header
 from mbtune.runs.load import RunInfo, load_run, run_info
 from mbtune.runs.record import SIZES
@@ -186,6 +186,7 @@ def export_run(trials: pd.DataFrame, info: RunInfo, framework: str) -> Path:
         precision=rec.precision,
         activation_checkpointing=c.activation_checkpointing,
         sharding=_sharding(trials, rec.config, info),
+        layers=_layers(info) if framework == "megatron" and _interleaved(c) else None,
     )
     path = info.path / snippet.filename
     print(snippet.text, end="")
@@ -197,6 +198,25 @@ def export_run(trials: pd.DataFrame, info: RunInfo, framework: str) -> Path:
         print(f"mbtune: {note}", file=sys.stderr)
     print(f"mbtune: wrote {path}", file=sys.stderr)
     return path
+
+
+def _interleaved(config: BatchConfig) -> bool:
+    """Whether a pipeline rank holds several stages (Megatron-LM's virtual stages)."""
+    return config.pipeline_parallel > 1 and stages_per_rank(config.pipeline_schedule) > 1
+
+
+def _layers(info: RunInfo) -> int | None:
+    """The run's model's layers (Megatron-LM's interleaved schedule is given them per
+    virtual stage): the experiment's shape, else the model's built on torch's meta device
+    (mbtune.plan.model_bytes); None where it cannot be built here (the export says so)."""
+    if info.experiment.model_shape is not None:
+        return info.experiment.model_shape.layers
+    from mbtune.plan.model_bytes import split_shape  # imports torch
+
+    try:
+        return split_shape(info.experiment.model).layers
+    except (MbtuneError, ImportError, OSError):  # a model of yours not importable here
+        return None
 
 
 def _sharding(trials: pd.DataFrame, config: BatchConfig, info: RunInfo) -> str:

@@ -16,10 +16,17 @@ A sharded configuration (``trial.sharding: fsdp``: each device held its shard of
 model, FSDP2) is exported as each framework shards: transformers' ``fsdp`` and
 ``fsdp_config`` (FSDP2), Accelerate's FSDP plugin config, Lightning's ``FSDPStrategy``,
 DeepSpeed's ZeRO stage 3 (2 where the parameters stay gathered after the forward pass),
-Composer's FSDP, Megatron-LM's torch FSDP2 and torchtitan's data-parallel shard degree;
-Cerebras has no counterpart, and says so. The configuration's ``reshard_after_forward``
+Composer's FSDP, Megatron-LM's and NeMo's torch FSDP2 and torchtitan's data-parallel shard
+degree; Cerebras has no counterpart, and says so. The configuration's ``reshard_after_forward``
 picks each one's ZeRO-3-like or ZeRO-2-like setting, and its ``grad_sync: every`` becomes
 Accelerate's ``sync_each_batch`` (transformers: through ``accelerator_config``), or a note.
+
+A split model (t, p and the pipeline's schedule: mbtune.lattice's layout) is exported by
+mbtune.analysis.export_parallel: Megatron-LM's, NeMo's and torchtitan's own layout, and the
+others' where they have the notion (Accelerate's and Lightning's tensor parallelism,
+DeepSpeed's AutoTP and pipeline, Composer's tp), or a note naming what would. The batch
+arithmetic is over the d data-parallel replicas: each replica's P = B / d samples as g
+micro-batches of m.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 from dataclasses import dataclass
 from typing import get_args
 
+from mbtune.analysis import export_parallel as split
 from mbtune.config.trial import PRECISIONS as _TRIAL_PRECISIONS
 from mbtune.config.trial import Sharding
 from mbtune.errors import MbtuneError
@@ -47,7 +55,8 @@ __all__ = [
 ]
 
 FRAMEWORKS = (
-    "accelerate", "cerebras", "composer", "deepspeed", "hf", "lightning", "megatron", "torchtitan",
+    "accelerate", "cerebras", "composer", "deepspeed", "hf", "lightning", "megatron", "nemo",
+    "torchtitan",
 )  # fmt: skip
 
 RULES = {
@@ -62,7 +71,9 @@ RULES = {
     "hf": "per_device_train_batch_size x gradient_accumulation_steps x devices = the global batch",
     "lightning": "DataLoader batch_size x accumulate_grad_batches x devices = the global batch",
     "megatron": "--global-batch-size divisible by --micro-batch-size x the data-parallel size",
-    "torchtitan": "global_batch_size divisible by local_batch_size x the data-parallel degree",
+    "nemo": "data.global_batch_size divisible by data.micro_batch_size x the data-parallel size",
+    "torchtitan": "global_batch_size divisible by local_batch_size x the data-parallel degree "
+    "(with a pipeline, local_batch_size by pipeline_parallel_microbatch_size)",
 }
 """How each framework requires the numbers to relate, in its own names."""
 
@@ -76,7 +87,7 @@ _TF32_CALL = 'torch.set_float32_matmul_precision("high")'
 
 _SUFFIX = {
     "accelerate": "yaml", "cerebras": "yaml", "composer": "yaml", "deepspeed": "json",
-    "hf": "json", "lightning": "py", "megatron": "args", "torchtitan": "toml",
+    "hf": "json", "lightning": "py", "megatron": "args", "nemo": "py", "torchtitan": "args",
 }  # fmt: skip
 
 _NO_CHECKPOINTING_SETTING = ("accelerate", "composer", "deepspeed", "lightning")
@@ -118,6 +129,7 @@ def export_config(
     activation_checkpointing: bool = False,
     sharding: str = "none",
     reshard_after_forward: bool | None = None,
+    layers: int | None = None,
 ) -> Export:
     """``config`` as ``framework``'s snippet, with the ``precision`` (fp32, tf32, bf16,
     fp16), the activation checkpointing (``activation_checkpointing`` or ``config``'s own)
@@ -127,8 +139,9 @@ def export_config(
     None: ``config``'s own. Sharded, ``config``'s ``grad_sync: every`` (gradients
     synchronised in every micro-batch) is exported where the framework has a key for it
     (transformers, Accelerate), else said in a note.
-    ``header`` becomes a comment where the format has comments (YAML, TOML, Python,
-    arguments; not JSON)."""
+    ``header`` becomes a comment where the format has comments (YAML, Python, arguments;
+    not JSON). ``layers``: the model's layers (blocks), which Megatron-LM's interleaved
+    schedule is given per virtual stage (None: unknown; another argument says the same)."""
     check_framework(framework)
     if precision not in PRECISIONS:
         raise MbtuneError(
@@ -143,22 +156,33 @@ def export_config(
     sync_every = fsdp and config.grad_sync == "every"
     exported, notes = expressible(framework, config, recommended_batch_size)
     b, n, m = exported.batch_size, exported.data_parallel, exported.micro_batch_size
-    g, pipeline_stages = exported.grad_accum_steps, exported.pipeline_parallel
+    g, (t, p, schedule) = exported.grad_accum_steps, exported.layout
     bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
     comment = f"# {header}\n" if header else ""
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
-    if pipeline_stages > 1:
-        launch += f" x {pipeline_stages} pipeline stages ({n * pipeline_stages} in all)"
+    if t * p > 1:
+        launch = (
+            f"launch on {exported.num_devices} devices: {split.layout_words(n, t, p, schedule)}"
+        )
+    if framework not in ("megatron", "nemo", "torchtitan"):
+        notes += split.layout_notes(framework, n, t, p, schedule, fsdp=fsdp)
     if framework == "accelerate":
         text, more = _accelerate(
             comment, n, m, g, precision, fsdp=fsdp, reshard=reshard_after_forward,
-            checkpointing=checkpointing, sync_every=sync_every,
+            checkpointing=checkpointing, sync_every=sync_every, tensor_parallel=t,
         )  # fmt: skip
         notes += more
     elif framework == "torchtitan":
-        text, more = _torchtitan(
-            comment, b, n, m, precision, stages=pipeline_stages, fsdp=fsdp,
+        text, more = split.torchtitan(
+            comment, b, n, m, g, t, p, schedule, precision=precision, fsdp=fsdp,
             reshard=reshard_after_forward, checkpointing=checkpointing,
+            filename=_filename(framework),
+        )  # fmt: skip
+        notes += more
+    elif framework == "nemo":
+        text, more = split.nemo(
+            comment, b, exported.num_devices, m, g, t, p, schedule, precision=precision,
+            checkpointing=checkpointing, fsdp=fsdp, reshard=reshard_after_forward,
         )  # fmt: skip
         notes += more
     elif framework == "cerebras":
@@ -171,11 +195,13 @@ def export_config(
     elif framework == "composer":
         amp = "amp_bf16" if bf16 else "amp_fp16" if fp16 else "fp32"
         strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
-        shard = f"parallelism_config:\n  fsdp:\n    sharding_strategy: {strategy}\n"
+        shard = f"  fsdp:\n    sharding_strategy: {strategy}\n" * fsdp
+        shard += f"  tp:\n    tensor_parallel_degree: {t}\n" * (t > 1)
+        world = f"world size {n * t}, data-parallel {n}" if t > 1 else f"world size {n}"
         text = (
-            f"{comment}# world size {n}: each device loads {b // n} samples per step\n"
+            f"{comment}# {world}: each replica loads {b // n} samples per step\n"
             f"global_train_batch_size: {b}\ndevice_train_microbatch_size: {m}\n"
-            f"precision: {amp}\n{shard * fsdp}"
+            f"precision: {amp}\n" + f"parallelism_config:\n{shard}" * bool(shard)
         )
     elif framework == "deepspeed":
         # DeepSpeed trains in fp32 unless its bf16 or fp16 block is enabled
@@ -183,16 +209,27 @@ def export_config(
         # ZeRO-3 shards the parameters, gradients and optimizer states as FSDP2 does; ZeRO-2
         # keeps the parameters whole, as FSDP2 does between forward and backward without
         # resharding after the forward pass
-        zero = {"zero_optimization": {"stage": 3 if reshard_after_forward else 2}} if fsdp else {}
+        stage = 3 if reshard_after_forward else 2
+        autotp = t if p == 1 else 1  # AutoTP trains a whole model, not a PipelineModule
+        if (autotp > 1 or p > 1) and fsdp:  # ZeRO-3 not with AutoTP, nor 2 with a pipeline
+            stage = min(stage, 1 if p > 1 else 2)
+            notes.append(
+                f"sharding fsdp: DeepSpeed's {'pipeline' if p > 1 else 'AutoTP'} takes ZeRO up "
+                f"to stage {stage}; exported stage {stage}, which was not measured as such"
+            )
+        zero = {"zero_optimization": {"stage": stage}} if fsdp else {}
+        tp = {"tensor_parallel": {"autotp_size": autotp}} if autotp > 1 else {}
         text = _json(
             train_batch_size=b,
             train_micro_batch_size_per_gpu=m,
             gradient_accumulation_steps=g,
             **amp,
             **zero,
+            **tp,
         )
+        world = n * autotp * p
         notes.append(
-            f"{launch} (DeepSpeed's world size {n}: deepspeed --num_gpus {n} train.py); in the "
+            f"{launch} (deepspeed --num_gpus {world} train.py); in the "
             'script deepspeed.initialize(model=model, optimizer=optimizer, config="'
             f'{_filename(framework)}") reads it'
         )
@@ -236,22 +273,29 @@ def export_config(
         mode = "bf16-mixed" if bf16 else "16-mixed" if fp16 else "32-true"
         tf32_line = f"{_TF32_CALL}  # TF32 matmuls, as measured\n" if tf32 else ""
         strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+        # tensor parallelism: ModelParallelStrategy (FSDP2 over its data-parallel dimension)
+        kind = "ModelParallelStrategy" if t > 1 else "FSDPStrategy" if fsdp else ""
         imports = (  # a script as pasted: its imports, then yours (the data, the model)
             "import torch\n" * tf32
             + "from lightning.pytorch import Trainer\n"
-            + "from lightning.pytorch.strategies import FSDPStrategy\n" * fsdp
+            + f"from lightning.pytorch.strategies import {kind}\n" * bool(kind)
             + "from torch.utils.data import DataLoader\n\n"
         )
-        shard = f'strategy = FSDPStrategy(sharding_strategy="{strategy}")\n'
+        shard = {
+            "ModelParallelStrategy": f"ModelParallelStrategy(data_parallel_size={n}, "
+            f"tensor_parallel_size={t})",
+            "FSDPStrategy": f'FSDPStrategy(sharding_strategy="{strategy}")',
+        }.get(kind)
         text = (
-            f"{comment}{imports}{tf32_line}{shard * fsdp}"
-            f"trainer = Trainer(devices={n}, accumulate_grad_batches={g}, "
-            f'precision="{mode}"{", strategy=strategy" * fsdp})\n'
+            f"{comment}{imports}{tf32_line}"
+            + f"strategy = {shard}\n" * bool(kind)
+            + f"trainer = Trainer(devices={n * t}, accumulate_grad_batches={g}, "
+            f'precision="{mode}"{", strategy=strategy" * bool(kind)})\n'
             "# train_dataset and model: yours (a torch Dataset, a LightningModule)\n"
             f"train_loader = DataLoader(train_dataset, batch_size={m})\n"
             "trainer.fit(model, train_loader)\n"
         )
-        if fsdp:
+        if fsdp and t == 1:
             notes.append(
                 "FSDPStrategy(auto_wrap_policy={YourBlock}) makes each of your model's blocks "
                 "a unit of its own, as mbtune sharded it (without it the model is one unit)"
@@ -259,19 +303,13 @@ def export_config(
                 * checkpointing
             )
     else:
-        pipeline = f" --pipeline-model-parallel-size {pipeline_stages}" * (pipeline_stages > 1)
-        flags = " --bf16" * bf16 + " --fp16" * fp16
-        # mbtune recomputes whole transformer blocks: Megatron's full granularity, each layer
-        recompute = " --recompute-granularity full --recompute-method uniform"
-        recompute += " --recompute-num-layers 1"
-        shard = " --use-torch-fsdp2 --no-gradient-accumulation-fusion --ckpt-format torch_dist"
-        shard += " --torch-fsdp2-no-reshard-after-forward" * (not reshard_after_forward)
-        text = (
-            f"{comment}# data-parallel size {n}: {g} micro-batches per step on each replica\n"
-            f"--micro-batch-size {m} --global-batch-size {b}{pipeline}{flags}"
-            f"{recompute * checkpointing}{shard * fsdp}\n"
-        )
-    if framework in ("accelerate", "cerebras", "composer", "lightning", "megatron", "torchtitan"):
+        text, more = split.megatron(
+            comment, b, n, m, g, t, p, schedule, layers=layers,
+            flags=" --bf16" * bf16 + " --fp16" * fp16, checkpointing=checkpointing, fsdp=fsdp,
+            reshard=reshard_after_forward,
+        )  # fmt: skip
+        notes += more
+    if framework not in ("deepspeed", "hf"):
         notes.append(launch)
     if framework == "cerebras" and (tf32 or checkpointing or fsdp):
         gpu_only = ["precision tf32"] * tf32 + ["activation checkpointing"] * checkpointing
@@ -280,7 +318,7 @@ def export_config(
             f"{' and '.join(gpu_only)}: a GPU setting with no Cerebras counterpart (a CS-X "
             "system manages its own memory and arithmetic); not exported"
         )
-    elif tf32 and framework in ("accelerate", "composer", "deepspeed", "megatron", "torchtitan"):
+    elif tf32 and framework not in ("hf", "lightning"):
         notes.append(
             f"precision tf32: {framework} has no setting for it; call {_TF32_CALL} before "
             "training (TF32 matmuls, fp32 everything else)"
@@ -313,11 +351,15 @@ def _accelerate(
     reshard: bool,
     checkpointing: bool,
     sync_every: bool = False,
+    tensor_parallel: int = 1,
 ) -> tuple[str, list[str]]:
-    """An ``accelerate launch --config_file`` YAML (FSDP2's plugin where sharded), and the
-    script's two numbers, which the config file has no key for, as its comment (with
-    ``sync_every``, the accumulation plugin that synchronises every micro-batch)."""
-    kind = "FSDP" if fsdp else "MULTI_GPU" if n > 1 else "NO"
+    """An ``accelerate launch --config_file`` YAML (FSDP2's plugin where sharded, and with
+    its parallelism_config where ``tensor_parallel`` > 1: Accelerate's tensor parallelism
+    is FSDP2's), and the script's two numbers, which the config file has no key for, as its
+    comment (with ``sync_every``, the accumulation plugin that synchronises every
+    micro-batch)."""
+    t = tensor_parallel
+    kind = "FSDP" if fsdp or t > 1 else "MULTI_GPU" if n > 1 else "NO"
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "'no'")  # quoted: YAML's no is false
     accumulation = (
         f"gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps={g}, "
@@ -333,7 +375,7 @@ def _accelerate(
         f"# accelerator = Accelerator({accumulation})\n"
         f"# train_loader = DataLoader(train_dataset, batch_size={m})\n"
         f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\n"
-        f"mixed_precision: {mixed}\nnum_machines: 1\nnum_processes: {n}\nmachine_rank: 0\n"
+        f"mixed_precision: {mixed}\nnum_machines: 1\nnum_processes: {n * t}\nmachine_rank: 0\n"
         f"use_cpu: false\ndebug: false\n"
     )
     notes = [
@@ -342,7 +384,7 @@ def _accelerate(
         "loader passed through accelerator.prepare, and each step inside "
         "`with accelerator.accumulate(model):`"
     ]
-    if fsdp:
+    if fsdp or t > 1:
         text += (
             f"fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: {_yaml(reshard)}\n"
             f"  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
@@ -354,39 +396,18 @@ def _accelerate(
             "_no_split_modules, one unit per block as mbtune sharded it; for another model add "
             "fsdp_transformer_layer_cls_to_wrap: YourBlock"
         )
-    return text, notes
-
-
-def _torchtitan(
-    comment: str,
-    b: int,
-    n: int,
-    m: int,
-    precision: str,
-    *,
-    stages: int,
-    fsdp: bool,
-    reshard: bool,
-    checkpointing: bool,
-) -> tuple[str, list[str]]:
-    """torchtitan's job config (TOML): its data-parallel shard degree n where sharded
-    (FSDP2), else its replicate degree n (DDP); accumulation follows from the two batches."""
-    param = "bfloat16" if precision == "bf16" else "float32"
-    shard, replicate = (n, 1) if fsdp else (1, n)
-    text = (
-        f"{comment}[training]\nlocal_batch_size = {m}\nglobal_batch_size = {b}\n"
-        f'mixed_precision_param = "{param}"\nmixed_precision_reduce = "float32"\n\n'
-        f"[parallelism]\ndata_parallel_shard_degree = {shard}\n"
-        f"data_parallel_replicate_degree = {replicate}\n"
-        + f'fsdp_reshard_after_forward = "{"always" if reshard else "never"}"\n' * fsdp
-        + f"pipeline_parallel_degree = {stages}\n" * (stages > 1)
-        + f'\n[activation_checkpoint]\nmode = "{"full" if checkpointing else "none"}"\n'
-    )
-    notes = []
-    if precision == "fp16":
-        notes.append(
-            "precision fp16: torchtitan trains in bfloat16 or float32 only; exported float32 "
-            "(mixed_precision_param), which was not measured as such"
+    if t > 1:  # d replicas of t-way shards, sharded over d by FSDP2
+        shard = n  # Accelerate refuses TP with plain replicas (dp_replicate_size alone)
+        if not fsdp and n > 1:
+            notes.append(
+                f"tensor_parallel {t} over {n} unsharded replicas: Accelerate's tensor "
+                f"parallelism takes no plain replicas; exported dp_shard_size {n} (FSDP2 "
+                "shards what mbtune held whole), which was not measured as such"
+            )
+        text += (
+            f"parallelism_config:\n  parallelism_config_dp_replicate_size: 1\n"
+            f"  parallelism_config_dp_shard_size: {shard}\n"
+            f"  parallelism_config_tp_size: {t}\n  parallelism_config_cp_size: 1\n"
         )
     return text, notes
 
