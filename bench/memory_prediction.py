@@ -11,7 +11,8 @@ parameters, seq_len 128) at N = 64 on `trial.device: cuda`, sharded, bf16 (auto 
 card), on this CPU-only machine: the command's wall time and its peak resident set
 (ru_maxrss of the child); the target is under two minutes and under 4 GB.
 `--baseline` measures the process baselines again (the peak of a trial of the tiny gpt:
-one process, and 2 gloo workers; eager and compiled), which mbtune.trial.predict's
+one process, and 2 gloo workers; eager and compiled; and one process forked from a warm
+parent, as a search's trial runs), which mbtune.trial.predict's
 CPU_PROCESS_BASELINE_BYTES and CPU_COMPILE_BYTES hold.
 
 On a card (`--cuda`, needs only torch, transformers and mbtune: no Ray): the same
@@ -177,7 +178,15 @@ def cost(cwd: str) -> dict[str, Any]:
     return {"prediction": predicted, "wall_s": wall, "max_rss_bytes": rss}
 
 
+FORKED_TRIALS = 3
+"""Trials of the tiny gpt forked from one warm parent, as a search's trial actor runs them."""
+
+
 def baseline(cwd: str) -> dict[str, int]:
+    """The peak of a trial of the tiny gpt: ``mbtune trial`` (the command's own process; 2
+    gloo workers of a Ray Train run for ddp), and for ``simulate`` also as a search runs
+    it, a child forked from a warm parent (mbtune.trial.warm), the median of
+    FORKED_TRIALS."""
     tiny = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
             "vocab_size": 64}  # fmt: skip
     peaks = {}
@@ -190,7 +199,38 @@ def baseline(cwd: str) -> dict[str, int]:
             measured, _, _ = mbtune("trial", path, cwd)
             peaks[key] = measured["peak_memory_bytes"]
             print(f"baseline {key}: {peaks[key] / MIB:.1f} MiB", flush=True)
+            if parallel == "simulate":
+                forked = subprocess.run(
+                    [sys.executable, __file__, "--forked", str(path)],
+                    cwd=cwd, capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                found = json.loads(forked.stdout.splitlines()[-1])
+                peaks[f"{key}, forked"] = sorted(found)[len(found) // 2]
+                print(f"baseline {key}, forked: {[round(b / MIB, 1) for b in found]} MiB",
+                      flush=True)  # fmt: skip
     return peaks
+
+
+def forked_peaks(path: str) -> None:
+    """In a fresh process: FORKED_TRIALS trials of the experiment at ``path``, each a child
+    of one warm parent (as a search's trial actor runs them); their peaks, as JSON."""
+    from mbtune.config.load import load_experiment
+    from mbtune.lattice import BatchConfig
+    from mbtune.trial.launch import measure_in_subprocess, warm_trials
+    from mbtune.trial.trial import TrialRequest
+
+    if not warm_trials():
+        raise SystemExit("trials are not forked here (off Linux, or MBTUNE_COLD_TRIALS set)")
+    exp = load_experiment(path)
+    t = exp.train_input
+    config = BatchConfig(t.batch_size, t.num_devices, t.micro_batch_size)
+    peaks = []
+    for _ in range(FORKED_TRIALS):
+        result = measure_in_subprocess(TrialRequest(experiment=exp, config=config), cwd=os.getcwd())
+        if result["status"] != "ok":
+            raise SystemExit(f"{path}: {result['status']}: {result['reason']}")
+        peaks.append(result["peak_memory_bytes"])
+    print(json.dumps(peaks))
 
 
 _SMALL = {"seq_len": 64, "vocab_size": 512}
@@ -249,7 +289,10 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="sharded, on the CUDA card here")
     parser.add_argument("--blocks", action="store_true", help="a few blocks against the whole")
     parser.add_argument("--large", action="store_true", help="with --blocks: the 12B Qwen2 too")
+    parser.add_argument("--forked", metavar="EXPERIMENT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.forked:
+        return forked_peaks(args.forked)
     info = machine()
     data: dict[str, Any] = {}
     if args.blocks:
@@ -297,7 +340,9 @@ def main() -> None:
                   f"{r['num_parameters']:,}", r["predicted_bytes"] / MIB,
                   r["measured_bytes"] / MIB, r["ratio"], r["predict_s"]] for r in rows],
             ))  # fmt: skip
-    print(f"\nwrote {save('memory_prediction', info, data).relative_to(ROOT)}")
+    # --baseline --quick: the baselines and the 7B cost alone, beside the accuracy run's file
+    name = "memory_prediction.baseline" if args.baseline and args.quick else "memory_prediction"
+    print(f"\nwrote {save(name, info, data).relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

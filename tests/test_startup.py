@@ -15,8 +15,8 @@ from mbtune.search import _run, search_points
 from mbtune.trial.screen import screen
 
 
-def screened(tmp_path, *, budget: str | None = "400MiB", **search):
-    """A tiny gpt whose activations dominate (256 tokens a sample): on 400 MiB, the largest
+def screened(tmp_path, *, budget: str | None = "370MiB", **search):
+    """A tiny gpt whose activations dominate (256 tokens a sample): on 370 MiB, the largest
     micro-batches are predicted over the budget (tests/test_sharded_search.py's)."""
     trial = {"device": "cpu", "compile": False}
     return parse_experiment({
@@ -87,7 +87,7 @@ def test_the_screen_beside_ray_answers_as_the_screen_itself(tmp_path, monkeypatc
         (1, 32, "oom"), (2, 64, "oom")
     ]  # fmt: skip
     assert run.records() == records
-    assert lines[-1].startswith("mbtune: 2 of 4 configurations predicted over 380 MiB")
+    assert lines[-1].startswith("mbtune: 2 of 4 configurations predicted over 352 MiB")
 
 
 def test_a_screen_whose_process_died_is_said_and_everything_measured(tmp_path):

@@ -101,16 +101,21 @@ __all__ = [
     "prediction_lines",
 ]
 
-CPU_PROCESS_BASELINE_BYTES = {"simulate": 314 * 2**20, "ddp": 475 * 2**20}
+CPU_PROCESS_BASELINE_BYTES = {"simulate": 278 * 2**20, "ddp": 475 * 2**20}
 """A CPU trial process's own memory before its model, by ``trial.parallel``: Python and
-libtorch (``simulate``), and gloo and Ray Train's worker (``ddp``). Measured: the peak of
-a trial of a 28-thousand-parameter gpt (``bench/memory_prediction.py --baseline``), one
-process 315 MiB, each of 2 gloo workers 475 MiB, less the model's step (under 1 MiB)."""
+libtorch (``simulate``: a search's trial, a child forked from its actor's warm parent,
+mbtune.trial.warm, resident with only the pages of libtorch it touches), and gloo and Ray
+Train's worker (``ddp``). Measured: the peak of a trial of a 28-thousand-parameter gpt
+(``bench/memory_prediction.py --baseline``), forked 278.6 MiB (three trials, 278.4 to
+278.6; in a process of its own, as ``mbtune trial`` or a cold trial runs it, 330 MiB),
+each of 2 gloo workers 475 MiB (491 when the forked figure was taken), less the model's
+step (under 1 MiB)."""
 
-CPU_COMPILE_BYTES = {"simulate": 74 * 2**20, "ddp": 66 * 2**20}
+CPU_COMPILE_BYTES = {"simulate": 60 * 2**20, "ddp": 66 * 2**20}
 """What ``trial.compile`` adds to a CPU trial process, by ``trial.parallel``: the tiny
-trial of :data:`CPU_PROCESS_BASELINE_BYTES` compiled less eager: one process 401 and 376
-MiB in two runs against 315 (their mean), a gloo worker 541 MiB in both against 476."""
+trial of :data:`CPU_PROCESS_BASELINE_BYTES` compiled less eager: forked 338.7 MiB in three
+trials against 278.6 (in a process of its own 419 against 330), a gloo worker 541 MiB in
+two runs against 476 (557 against 491 when the forked figures were taken)."""
 
 _STEPS = 2
 """Steps simulated: the first allocates the optimizer's state, the second is a steady one."""
