@@ -34,15 +34,21 @@ puts the side's mbtune first:
               (32, 2, 8) and (32, 2, 16), each through
               ``mbtune.trial.launch.measure_in_subprocess``, timed around the call;
   quickstart  ``mbtune run experiments/quickstart.yaml`` (this tree's file for both sides),
-              timed as a whole command, with a clock on every trial of it
-              (bench/_trial_clock: each trial actor's call, begun and ended).
+              timed as a whole command, with a clock on every trial of it and on the
+              driver's work between trials (bench/_trial_clock: each trial actor's call,
+              the driver's record of each finished trial and each proposal, begun and
+              ended), and each line of its stream timed as it came.
 
 Per trial: outside = the call's wall time - compile_s - the steps' time ((1 + warm-up) x
 the median step + every timed step); the first trial of a process or of a trial actor
-apart (it starts what later trials reuse). Per trial actor: the gap from one trial's end
-to its next one's start (Tune's bookkeeping, the search's proposal). One untimed
-quickstart per side first fills the compile cache. Medians per side, and after / before
-per round.
+apart (it starts what later trials reuse). Between trials (they run one at a time): the
+gap from one trial's end to the next one's start, and how much of it the driver spent
+recording the trial (``finish``: its row, the study told, the recommendation) and
+proposing the next (``suggest``). The driver's start-up: when its first line, its
+'searching' line (Ray started, the memory screened) and the first trial's start came;
+its end: the summary's first line and the command's exit after the last trial's end. One
+untimed quickstart per side first fills the compile cache. Medians per side, and after /
+before per round.
 """
 
 from __future__ import annotations
@@ -161,26 +167,37 @@ def trials_arm(tree: Path) -> list[dict]:
 
 
 def quickstart_arm(tree: Path) -> dict:
-    """``mbtune run experiments/quickstart.yaml`` with the side's mbtune, clocked."""
+    """``mbtune run experiments/quickstart.yaml`` with the side's mbtune, clocked: every
+    trial in its actor, the driver's record of each finished trial and each proposal
+    (bench/_trial_clock), and each line of the stream as it came."""
     with tempfile.TemporaryDirectory() as tmp:
         clock = Path(tmp) / "clock.jsonl"
-        t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "mbtune", "run", str(QUICKSTART), "--set",
-                               f"output_dir={tmp}/runs"], env=side_env(tree, clock), cwd=tree,
-                              capture_output=True, text=True)  # fmt: skip
-        wall = time.perf_counter() - t0
-        if done.returncode != 0:
-            raise SystemExit(f"the quickstart from {tree} exited {done.returncode}: "
-                             f"{done.stderr[-2000:]}")  # fmt: skip
+        errors = Path(tmp) / "stderr.txt"
+        t0 = time.time()
+        with errors.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "mbtune", "run", str(QUICKSTART),
+                                     "--set", f"output_dir={tmp}/runs"], env=side_env(tree, clock),
+                                    cwd=tree, stdout=subprocess.PIPE, stderr=err,
+                                    text=True)  # fmt: skip
+            lines = [(time.time() - t0, line.rstrip("\n")) for line in proc.stdout]
+            proc.wait()
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"the quickstart from {tree} exited {proc.returncode}: "
+                             f"{errors.read_text()[-2000:]}")  # fmt: skip
         (run_dir,) = (Path(tmp) / "runs").iterdir()
         summary = json.loads((run_dir / "summary.json").read_text())
-        trials = [json.loads(line) for line in clock.read_text().splitlines()]
+        clocked = [json.loads(line) for line in clock.read_text().splitlines()]
+    for c in clocked:  # seconds from the command's start
+        c["start"], c["end"] = c["start"] - t0, c["end"] - t0
+    trials = sorted((c for c in clocked if c.get("kind", "trial") == "trial"),
+                    key=lambda t: t["start"])  # fmt: skip
     wrong = {t["code"] for t in trials} - {str(tree / "mbtune" / "trial" / "launch.py")}
     if wrong:
         raise SystemExit(f"the quickstart from {tree} ran another mbtune: {wrong}")
     first_of_actor, gaps = set(), []
     for pid in {t["pid"] for t in trials}:
-        mine = sorted((t for t in trials if t["pid"] == pid), key=lambda t: t["start"])
+        mine = [t for t in trials if t["pid"] == pid]
         first_of_actor.add(id(mine[0]))
         gaps += [b["start"] - a["end"] for a, b in zip(mine, mine[1:], strict=False)]
     for t in trials:
@@ -190,7 +207,45 @@ def quickstart_arm(tree: Path) -> dict:
     return {"wall_s": wall, "trials": len(trials), "actors": len({t["pid"] for t in trials}),
             "recommended": [rec["batch_size"], rec["num_devices"], rec["micro_batch_size"]],
             "confidence": summary.get("confidence"), "reason": summary.get("reason"),
-            "gaps_s": gaps, "clock": trials}  # fmt: skip
+            "gaps_s": gaps, "between": between_trials(trials, clocked),
+            "driver": driver_phases(lines, trials, wall), "clock": trials,
+            "stream": lines}  # fmt: skip
+
+
+def between_trials(trials: list[dict], clocked: list[dict]) -> list[dict]:
+    """From each trial's end to the next one's start (the search's trials run one at a
+    time): how long, and how much of it the driver spent recording the trial that ended
+    (``finish``) and proposing (``suggest``), where the clock has those (seconds)."""
+    out = []
+    for a, b in zip(trials, trials[1:], strict=False):
+        inside = [c for c in clocked if c.get("kind") in ("finish", "suggest")
+                  and a["end"] <= c["start"] < b["start"]]  # fmt: skip
+        spent = {k: sum(c["end"] - c["start"] for c in inside if c["kind"] == k)
+                 for k in ("finish", "suggest")}  # fmt: skip
+        out.append({"gap_s": b["start"] - a["end"], **{f"{k}_s": v for k, v in spent.items()}})
+    return out
+
+
+def driver_phases(lines: list[tuple[float, str]], trials: list[dict], wall: float) -> dict:
+    """When the driver got where, from the command's start (seconds): its first line, its
+    'searching' line (Ray started, the memory screened: Tune's fit next), the first trial's
+    start in its actor; after the last trial's end, the summary's first line and the
+    command's exit."""
+
+    def first(prefix: str) -> float | None:
+        return next((t for t, line in lines if line.startswith(prefix)), None)
+
+    last_end = max(t["end"] for t in trials)
+    stopping = first("mbtune: stopping") or first("mbtune: interrupted")
+    return {
+        "first_line_s": lines[0][0] if lines else None,
+        "searching_s": first("mbtune: searching"),
+        "first_trial_start_s": trials[0]["start"],
+        "last_trial_end_s": last_end,
+        "summary_after_last_s": None if stopping is None else stopping - last_end,
+        "exit_after_last_s": wall - last_end,
+        "exit_after_summary_s": None if stopping is None else wall - lines[-1][0],
+    }
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -218,7 +273,12 @@ def side_figures(rounds: list[dict]) -> dict:
             [t["outside_s"] for t in clocked if not t["first_of_actor"]]
         ),
         "quickstart_gap_s": _median([g for rnd in rounds for g in rnd["quickstart"]["gaps_s"]]),
-    }
+        **{f"between_{k}": _median([b[k] for rnd in rounds for b in rnd["quickstart"]["between"]])
+           for k in ("gap_s", "finish_s", "suggest_s")},
+        **{f"driver_{k}": _median([rnd["quickstart"]["driver"][k] for rnd in rounds])
+           for k in ("searching_s", "first_trial_start_s", "summary_after_last_s",
+                     "exit_after_last_s", "exit_after_summary_s")},
+    }  # fmt: skip
 
 
 def processes(rounds: int, before: Path | None, after: Path) -> None:
