@@ -331,3 +331,53 @@ def test_a_stage_that_fails_on_one_rank_ends_the_group_without_hanging_its_peer(
     r = run_trial(exp, BatchConfig(8, 2, 2, pipeline_parallel=2), cwd=str(tmp_path))
     assert r.status == "error", r.reason
     assert r.reason.startswith("rank 1: ") and "this stage fails on purpose" in r.reason
+
+
+# -- simulate: rank 0's share alone ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("gpipe", "F0 F1 F2 F3 B0 B1 B2 B3"),  # every micro-batch in flight
+        ("1f1b", "F0 F1 B0 F2 B1 F3 B2 B3"),  # at most p = 2 in flight
+    ],
+)
+def test_rank_0_runs_its_micro_batches_in_the_order_of_its_schedule(schedule, expected):
+    from mbtune.trial.stage import rank0_actions
+
+    actions = rank0_actions(ParallelDims(1, 2, 1, schedule), 4)
+    assert " ".join(f"{kind}{mb}" for kind, stage, mb in actions) == expected
+    zbv = rank0_actions(ParallelDims(1, 2, 1, "zbv"), 4)
+    assert {stage for _, stage, _ in zbv} == {0, 3}  # the V: the first and the last stage
+    assert sorted(k for k, _, _ in zbv) == ["F"] * 8 + ["I"] * 8 + ["W"] * 8
+
+
+@pytest.mark.slow
+def test_a_simulated_stage_holds_rank_0s_share_and_the_schedules_activations():
+    """Rank 0 of p = 2 alone: its stage (half the blocks) is measured, the schedule's order
+    kept: gpipe holds all g = 8 micro-batches' activations at its peak, 1f1b at most 2 (a
+    micro-batch's are about 17 MiB here). With t = 2 it holds its shard of the weights."""
+    from mbtune.trial.stage import measure_stage
+
+    gpt = {"name": "gpt", "n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 128,
+           "vocab_size": 256, "dropout": 0.0}  # fmt: skip
+    exp = _experiment(gpt, parallel="simulate", num_devices=1)
+
+    def stage(**layout):
+        m = measure_stage(exp, BatchConfig(32, 2, 4, **layout), CPU, lambda *a: None)
+        assert (m.status, m.reason, m.whole_model, m.comm_s) == ("ok", None, False, None)
+        assert len(m.step_s) == 2 and m.loss is None
+        return m
+
+    one_f_one_b = stage(pipeline_parallel=2, pipeline_schedule="1f1b")
+    gpipe = stage(pipeline_parallel=2, pipeline_schedule="gpipe")
+    held = (gpipe.peak_memory_bytes - one_f_one_b.peak_memory_bytes) / 2**20
+    print(f"peak gpipe {gpipe.peak_memory_bytes / 2**20:.0f} MiB, 1f1b "
+          f"{one_f_one_b.peak_memory_bytes / 2**20:.0f} MiB")  # fmt: skip
+    assert held > 40  # 6 micro-batches' activations more, give or take
+    whole = build_model("gpt", {k: v for k, v in gpt.items() if k != "name"}).gradient_bytes
+    sharded = stage(tensor_parallel=2)
+    # q, k, v, the projections and the MLP halved; embeddings, norms and biases of the
+    # row-wise layers whole
+    assert 0.5 * whole < sharded.grad_bytes < 0.6 * whole
