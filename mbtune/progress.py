@@ -279,10 +279,13 @@ class Display:
         lines = []
         for i, r in enumerate(ordered, start=1):
             c = r.config
+            t, p, schedule = c.layout
+            split = (f" (t {t}, p {p})" if short else f", tensor_parallel {t}, pipeline_parallel "
+                     f"{p} ({schedule})") if t * p > 1 else ""  # fmt: skip
             sizes = (
-                f"n {c.num_devices}, B {c.batch_size}, m {c.micro_batch_size}"
+                f"n {c.num_devices}{split}, B {c.batch_size}, m {c.micro_batch_size}"
                 if short
-                else f"num_devices {c.num_devices}, batch_size {c.batch_size}, "
+                else f"num_devices {c.num_devices}{split}, batch_size {c.batch_size}, "
                 f"micro_batch_size {c.micro_batch_size}"
             )
             if short:  # several on one line: no clock (each says how long it has run)

@@ -529,10 +529,6 @@ RULES = [
     (Experiment, dict(name="a b")),
     (Experiment, dict(output_dir=Path("a\0b"))),
     (Experiment, dict(trial=TrialConfig(backend="replay"))),
-    (
-        Experiment,
-        dict(trial=DDP, train_input=TrainInput(batch_size=32, num_devices=2, pipeline_parallel=2)),
-    ),
     (Experiment, dict(trial=TrialConfig(parallel="ddp", backend="replay", table=Path("t")))),
     (
         Experiment,

@@ -116,8 +116,6 @@ BASE = {
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["train_input.num_devices=2", "train_input.pipeline_parallel=2"],
-         r"trial\.parallel: ddp does not run tensor- or pipeline-parallel trials yet"),
         (
             ["trial.backend=replay", "trial.table=t.csv"],
             r"trial\.parallel: ddp runs real workers, but the replay backend answers from "

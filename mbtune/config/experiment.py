@@ -125,12 +125,6 @@ class Experiment:
 
     def _check_ddp(self) -> None:
         """What ``trial.parallel: ddp`` cannot do."""
-        t = self.train_input
-        if t.pipeline_parallel * t.tensor_parallel > 1 or self.layouts()[0] != [(1, 1, "1f1b")]:
-            raise ConfigError(
-                "trial.parallel",
-                "ddp does not run tensor- or pipeline-parallel trials yet; use parallel: simulate",
-            )
         if self.trial.backend == "replay":
             raise ConfigError(
                 "trial.parallel",

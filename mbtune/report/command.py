@@ -66,14 +66,17 @@ def result_lines(r: TrialResult, *, threads: int | None = None) -> list[str]:
 def _speed_lines(r: TrialResult) -> list[str]:
     """Throughput and the step time, and what the step time is made of."""
     ddp = r.parallel == "ddp"
+    split = r.tensor_parallel * r.pipeline_parallel > 1
     tokens = f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""
     lines = [
         f"  throughput   {r.samples_per_s:,.1f} samples/s "
         f"({r.samples_per_s_per_device:,.1f} per device){tokens}",
         f"  step time    {r.step_time_ms_median:.2f} ms median, IQR "
         f"{r.step_time_ms_iqr:.2f} ms over {len(r.step_times_ms)} timed steps"
-        + (f" of {r.num_devices} DDP workers (the slowest each step)" if ddp else ""),
+        + (f" of {r.num_devices} workers (the slowest each step)" if ddp else ""),
     ]
+    if ddp and split:  # the sends, receives and all-reduces are inside the step
+        return lines
     if ddp:  # three measurements: they need not add up (DDP overlaps, and adds its own)
         compute = f"{r.compute_time_ms:.2f} ms" if r.compute_time_ms is not None else "-"
         lines.append(
@@ -82,6 +85,7 @@ def _speed_lines(r: TrialResult) -> list[str]:
         )
     else:  # modelled: FSDP's all-gathers and reduce-scatters where sharded
         comm = "all-gather + reduce-scatter" if r.sharding == "fsdp" else "all-reduce"
+        comm += " + tensor-parallel all-reduces + pipeline sends" * split
         lines.append(
             f"    of which   compute {r.compute_time_ms:.2f} ms, {comm} "
             f"{r.comm_time_ms:.2f} ms, pipeline bubble {r.bubble_time_ms:.2f} ms"

@@ -69,22 +69,24 @@ def _even_or_listed(config: BatchConfig, even: str) -> str:
 
 
 def devices_split(config: BatchConfig) -> str:
-    """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8'."""
-    g = config.grad_accum_steps
-    return (
-        f"{plural(config.num_devices, 'device')} x {plural(g, 'micro-batch', 'es')} of "
-        + _even_or_listed(config, "{q}")
-    )
+    """How one configuration runs, e.g. '2 devices x 4 micro-batches of 8', or with a split
+    model '2 replicas of 4 devices x 4 micro-batches of 8'."""
+    g, d = config.grad_accum_steps, config.data_parallel
+    split = config.num_devices // d
+    who = plural(d, "replica") + f" of {split} devices" if split > 1 else plural(d, "device")
+    return f"{who} x {plural(g, 'micro-batch', 'es')} of " + _even_or_listed(config, "{q}")
 
 
 def per_device_split(config: BatchConfig) -> str:
     """What one device computes, e.g. 'per device 16 samples as 2 x 8', or where the
-    devices differ by a sample, 'per device 17 or 16 samples, the busiest as 5+4+4+4'."""
+    devices differ by a sample, 'per device 17 or 16 samples, the busiest as 5+4+4+4'; with
+    a split model, 'per replica' (its t x p devices share the replica's samples)."""
     runs = _even_or_listed(config, "{g} x {q}")
-    b, n = config.batch_size, config.num_devices
-    if b % n:
-        return f"per device {b // n + 1} or {b // n} samples, the busiest as {runs}"
-    return f"per device {b // n} samples as {runs}"
+    b, d = config.batch_size, config.data_parallel
+    each = "per device" if d == config.num_devices else "per replica"
+    if b % d:
+        return f"{each} {b // d + 1} or {b // d} samples, the busiest as {runs}"
+    return f"{each} {b // d} samples as {runs}"
 
 
 def step_suffix(
