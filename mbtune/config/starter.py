@@ -6,7 +6,9 @@ starter is valid by construction. A Hugging Face model's starter names its confi
 keys (``num_hidden_layers``, ``hidden_size``, ... as its config class calls them): small on
 the CPU, the model type's own defaults on CUDA. Sized by a caller that may predict memory
 (``mbtune init`` passes mbtune.trial.sizing.size_starter): where the model's states
-exceed one device, the starter shards it (``sharding: fsdp`` over the devices it needs).
+exceed one device, the starter shards it (``sharding: fsdp`` over the devices it needs),
+and where sharding alone cannot hold it, splits its layers too (``tensor_parallel``, with
+t and p in its space).
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ class Sizing:
     peak_memory_bytes: int | None = None
     """One device's predicted peak at the starter's smallest configuration."""
     lines: tuple[str, ...] = ()
+    tensor_parallel: int = 1
+    """The devices each layer is split over where sharding alone does not hold the model
+    (1: none)."""
+    searched_tensor_parallel: tuple[int, ...] = ()
+    """The t its space lists (none: t is not searched)."""
+    searched_pipeline_parallel: tuple[int, ...] = ()
+    """The p its space lists (none: p is not searched)."""
 
 
 _MODE_NOTES = {
@@ -84,6 +93,8 @@ def starter_text(
     be, for the commands its first lines show; ``sizing``: how its model is held."""
     cuda = device == "cuda"
     n, sharded = sizing.num_devices, sizing.sharded
+    t = sizing.tensor_parallel
+    split = t > 1
     memory = sizing.device_memory
     lines = [
         "# An mbtune experiment, written by `mbtune init`. Change what you need, then:",
@@ -95,11 +106,24 @@ def starter_text(
         _line("train_input:", "what you would run without mbtune: the reference"),
         _line("  batch_size: 32", "global batch: samples per optimizer step, all devices"),
         _line(f"  micro_batch_size: {mode}", _MODE_NOTES[mode]),
-        _line(f"  num_devices: {n}", "data-parallel devices (or num_csx)"),
+        _line(f"  num_devices: {n}", "every device (or num_csx): replicas x t x p"),
+        *(
+            [_line(f"  tensor_parallel: {t}", "devices each layer is split over (Megatron's tp)"),
+             _line("  pipeline_parallel: 1", "pipeline stages (Megatron's pp)")]
+            if split else []
+        ),
         "search:",
         _line("  space:", "what may vary; what it leaves out stays at train_input's"),
         _line(f"    num_devices: [{n}, {2 * n}]", "a list or {min, max}; see trial.parallel"),
         *([] if mode == "none" else ["    micro_batch_size: {min: 1, max: 32}"]),
+        *(
+            [_line(f"    tensor_parallel: {_flow(sizing.searched_tensor_parallel)}",
+                   "split layers: within a node"),
+             _line(f"    pipeline_parallel: {_flow(sizing.searched_pipeline_parallel)}",
+                   "pipeline stages"),
+             _line("    pipeline_schedule: [1f1b, interleaved_1f1b]", "how a pipeline runs")]
+            if split else []
+        ),
         *(
             [_line("    # reshard_after_forward: [true, false]", "sharded: ZeRO-3 or -2-like"),
              _line("    # grad_sync: [last, every]", "sharded: reduce once a step, or each")]
@@ -137,6 +161,11 @@ def starter_text(
         "output_dir: runs",
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _flow(values: tuple[int, ...]) -> str:
+    """``[1, 2]``: a YAML list on one line."""
+    return f"[{', '.join(map(str, values))}]"
 
 
 def _either(choices: tuple[str, ...]) -> str:
