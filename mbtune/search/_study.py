@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
 from mbtune.lattice import BatchConfig
@@ -138,6 +137,8 @@ def storage_for(url: str) -> optuna.storages.RDBStorage:
     each row fsync'd before the study is told it: a damaged optuna.db is set aside
     (``optuna.db.damaged``) and the study rebuilt from trials.csv (:meth:`SearchStudy.catch_up`,
     as --resume does)."""
+    import sqlalchemy.exc  # as the storage imports it: not before a run opens its study
+
     path = url.removeprefix("sqlite:///")
     if path == url or path.startswith(":memory:"):
         return optuna.storages.RDBStorage(url)
