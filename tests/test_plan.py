@@ -882,3 +882,35 @@ def test_a_split_run_whose_model_does_not_say_its_width_is_one_line(tmp_path, ca
     assert "(hidden) and layers" in err
     # a run that did not split its model needs no shape
     assert plan_run(exact_run(tmp_path / "b"), grad_bytes=GRAD_BYTES, draws=10).rows
+
+
+def test_a_noisy_split_run_s_intervals_hold_what_it_measured(tmp_path):
+    """Each trial 3% off the generator (its steps spread 2% about that), the run's noise
+    floor a real run's: at the counts it measured, each layout's interval holds what it
+    measured, and the point lies within the trials' spread of it."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for config in layout_configs():
+        row = layout_row(config, "replay")
+        step = row["step_time_ms_median"] * math.exp(0.03 * rng.standard_normal())
+        steps = step * np.exp(0.02 * rng.standard_normal(5))
+        median = float(np.median(steps))
+        row.update(step_times_ms=steps.tolist(), step_time_ms_median=median,
+                   samples_per_s=config.batch_size / median * 1e3,
+                   tokens_per_s=config.batch_size / median * 1e3 * TOKENS)  # fmt: skip
+        rows.append(row)
+    exp = experiment({"samples": 1e9, "num_devices": [2, 4, 8]}, parallel="simulate")
+    exp["search"].update(noise_floor=0.035)
+    exp["search"]["space"].update(tensor_parallel=[1, 2], pipeline_parallel=[1, 2],
+                                  pipeline_schedule=["1f1b", "interleaved_1f1b"])  # fmt: skip
+    run = make_run(tmp_path, rows, experiment=exp)
+    plan = plan_run(run, grad_bytes=GRAD_BYTES, shape=SHAPE, draws=300)
+    measured = {BatchConfig.of(r).canonical(): r.samples_per_s
+                for r in read_trials(run / "trials.csv").records}  # fmt: skip
+    rows = plan.configurations()
+    assert {r.config.layout[:2] for r in rows} == {(1, 1), (2, 1), (1, 2), (2, 2)}
+    inside = [r.samples_per_s.low <= measured[r.config.canonical()] <= r.samples_per_s.high
+              for r in rows]  # fmt: skip
+    assert sum(inside) >= 0.9 * len(rows), f"{sum(inside)} of {len(rows)}"
+    for r in rows:
+        assert r.samples_per_s.value == pytest.approx(measured[r.config.canonical()], rel=0.12)
