@@ -5,6 +5,7 @@ t = 2 and for p = 2 with every schedule, and a rank that fails ending the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -203,22 +204,20 @@ def test_a_user_model_without_the_hooks_says_which_it_lacks(tmp_path, monkeypatc
     assert parts.make_stage is None and parts.num_blocks == 1
 
 
-def test_replicas_of_a_split_model_need_fsdp():
-    config = BatchConfig(8, 4, 2, pipeline_parallel=2)  # d = 2
-    refused = model_parallel_problem(TrialConfig(parallel="ddp"), config)
-    assert refused.startswith("trial.sharding: none replicates the model over the 2 data-")
-    assert "set trial.sharding: fsdp" in refused
-    assert model_parallel_problem(TrialConfig(parallel="ddp", sharding="fsdp"), config) is None
-    one = BatchConfig(8, 2, 2, tensor_parallel=2)  # d = 1: nothing to replicate
-    assert model_parallel_problem(TrialConfig(parallel="ddp"), one) is None
-
-
-def test_a_ddp_trial_of_replicas_without_fsdp_is_refused_before_any_worker_starts():
+def test_fp16_is_refused_for_a_split_model_before_any_worker_starts():
     from mbtune.errors import MbtuneError
     from mbtune.trial.trial import run_trial
 
-    with pytest.raises(MbtuneError, match=r"^trial\.sharding: none replicates the model"):
-        run_trial(_experiment(GPT, num_devices=4), BatchConfig(8, 4, 2, pipeline_parallel=2))
+    split = BatchConfig(8, 2, 2, pipeline_parallel=2)
+    fp16 = TrialConfig(parallel="ddp", precision="fp16", device="cuda")
+    assert model_parallel_problem(fp16, split).startswith("trial.precision: fp16's gradient ")
+    assert model_parallel_problem(fp16, BatchConfig(8, 2, 2)) is None  # data parallel alone
+    exp = _experiment(GPT)
+    exp = dataclasses.replace(
+        exp, trial=dataclasses.replace(exp.trial, device="cuda", precision="fp16")
+    )
+    with pytest.raises(MbtuneError, match=r"^trial\.precision: fp16's gradient scaler is not"):
+        run_trial(exp, split)
 
 
 # -- 2 gloo ranks against one process --------------------------------------------------------
@@ -243,27 +242,37 @@ def _models(tmp_path) -> dict[str, dict]:
     return {"gpt": GPT, "llama": LLAMA, "user": {"name": "stack_model:build"}}
 
 
-def _rank(rank: int, world: int, init: str, tmp_path) -> None:
-    """One rank: every case measured in turn, each rank 0's figures written out."""
+def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
+    """One rank: each (model, trial.sharding, configuration) measured in turn, rank 0's
+    figures written out."""
     import os
 
     import torch.distributed as dist
 
     from mbtune.trial.pipeline import measure_model_parallel
 
-    os.chdir(tmp_path)  # the user model is imported from here
+    os.chdir(tmp_path)  # a user model is imported from here
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        models, found = _models(tmp_path), []
-        for name, layout in CASES:
-            config = BatchConfig(8, 2, 2, **layout)
-            m = measure_model_parallel(_experiment(models[name]), config, CPU)
+        found = []
+        for model, sharding, config in cases:
+            exp = _experiment(model, num_devices=config.num_devices)
+            exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, sharding=sharding))
+            m = measure_model_parallel(exp, config, CPU)
             found.append({"status": m.status, "reason": m.reason, "loss": m.loss})
         if rank == 0:
             (tmp_path / "found.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, cases: list) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(world, f"file://{tmp_path}/pg", tmp_path, cases), nprocs=world,
+             join=True)  # fmt: skip
+    return json.loads((tmp_path / "found.json").read_text())
 
 
 @pytest.mark.slow
@@ -275,15 +284,13 @@ def test_two_ranks_give_one_processs_loss_with_tensor_parallel_and_every_schedul
     optimizer has stepped twice, the tied head kept tied) the last step's loss is the one
     process's to fp32 rounding."""
     pytest.importorskip("transformers")
-    import torch.multiprocessing as mp
-
     from mbtune.trial.collectives import OneProcess
     from mbtune.trial.measure import measure
 
     monkeypatch.chdir(tmp_path)
     models = _models(tmp_path)
-    mp.spawn(_rank, args=(2, f"file://{tmp_path}/pg", tmp_path), nprocs=2, join=True)
-    found = json.loads((tmp_path / "found.json").read_text())
+    cases = [(models[name], "none", BatchConfig(8, 2, 2, **layout)) for name, layout in CASES]
+    found = _spawn(tmp_path, 2, cases)
     simulated = {
         name: _experiment(model, parallel="simulate", num_devices=1)
         for name, model in models.items()
@@ -297,6 +304,34 @@ def test_two_ranks_give_one_processs_loss_with_tensor_parallel_and_every_schedul
         expected = one[name].loss
         if got["status"] != "ok" or got["loss"] != pytest.approx(expected, rel=1e-4):
             wrong.append(f"{name} {layout}: {got} against {expected}")
+    assert not wrong, "\n".join(wrong)
+
+
+REPLICATED = [
+    ("none", {"pipeline_parallel": 2}),  # FSDP2's replicate on each stage: DDP would fail
+    ("none", {"tensor_parallel": 2}),
+    ("fsdp", {"pipeline_parallel": 2}),
+]
+"""(trial.sharding, layout) on 4 ranks: d = 2 replicas of B = 8, m = 2 (g = 2 each)."""
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_split_model_give_one_processs_loss_replicated_or_sharded(tmp_path):
+    """4 ranks, d = 2: each replica's half of the global batch, its gradients all-reduced
+    (replicate) or reduce-scattered (fsdp) over dp after the pipeline's or the shard's
+    backward passes; after two optimizer steps the loss is the one process's."""
+    from mbtune.trial.collectives import OneProcess
+    from mbtune.trial.measure import measure
+
+    cases = [(GPT, sharding, BatchConfig(8, 4, 2, **layout)) for sharding, layout in REPLICATED]
+    found = _spawn(tmp_path, 4, cases)
+    exp = _experiment(GPT, parallel="simulate", num_devices=1)
+    expected = measure(exp, BatchConfig(8, 1, 2), CPU, OneProcess()).loss
+    wrong = [
+        f"{case}: {got} against {expected}"
+        for case, got in zip(REPLICATED, found, strict=True)
+        if got["status"] != "ok" or got["loss"] != pytest.approx(expected, rel=1e-4)
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -14,11 +14,14 @@ as torchtitan makes it, per stage (``models/llama3/infra/parallelize.py``):
 3. **activation checkpointing**: already on the blocks the stage copied (the model was
    built with it: mbtune.trial.step.build_spec);
 4. **compile**: each block on its own (``trial.compile``), as a sharded trial does;
-5. **FSDP2** over ``dp`` with ``trial.sharding: fsdp`` (each block a unit, then the stage).
+5. **data parallel** over ``dp``: FSDP2 with ``trial.sharding: fsdp`` (each block a unit,
+   then the stage); with ``sharding: none`` and d > 1 FSDP2's ``replicate`` (the same units,
+   each replica the whole stage, gradients all-reduced). Not DDP: on a pipeline stage it
+   fails, or silently gives the last stage wrong gradients (torchtitan refuses DDP with more
+   than one dimension too).
 
-With ``sharding: none`` and d > 1 a trial is refused (:func:`model_parallel_problem`):
-DDP on a pipeline stage fails, or silently gives the last stage wrong gradients
-(../shared/MODEL_PARALLEL.md; torchtitan refuses DDP with more than one dimension too).
+fp16 is refused (:func:`model_parallel_problem`): its gradient scaler is not run across
+stages and shards.
 """
 
 from __future__ import annotations
@@ -102,15 +105,10 @@ class ParallelDims:
 
 def model_parallel_problem(trial: TrialConfig, config: BatchConfig) -> str | None:
     """Why a ``ddp`` trial of ``config`` cannot run with ``trial``'s settings, or None."""
-    dims = ParallelDims.of(config)
-    if dims.dp > 1 and trial.sharding != "fsdp":
-        return (
-            f"trial.sharding: none replicates the model over the {dims.dp} data-parallel "
-            f"groups of tensor_parallel {dims.tp} x pipeline_parallel {dims.pp}, which runs "
-            "only sharded (DDP on a pipeline stage fails, or gives wrong gradients); set "
-            "trial.sharding: fsdp, or num_devices = tensor_parallel x pipeline_parallel"
-        )
-    if trial.precision == "fp16":
+    if (
+        trial.precision == "fp16"
+        and ParallelDims.of(config).num_stages * config.tensor_parallel > 1
+    ):
         return (
             "trial.precision: fp16's gradient scaler is not run across pipeline stages or "
             "tensor-parallel shards; use bf16 (or fp32, tf32)"
@@ -197,11 +195,24 @@ def build_rank_model(
             unit_bytes += _unit_bytes(stage, blocks, policy)
             shard(stage, blocks, mesh["dp"], policy or MixedPrecisionPolicy(),
                   reshard_after_forward=config.reshard_after_forward)  # fmt: skip
+        elif dims.dp > 1:
+            replicate(stage, blocks, mesh["dp"], mixed_precision(resolve(trial.precision, device)))
         stages.append(stage)
     if parts.make_stage is not None:
         module.to("meta")  # the stages hold copies: the whole model's memory goes back
     return RankModel(parts=parts, stages=tuple(stages), indices=indices, num_stages=count,
                      grad_bytes=grad_bytes, unit_bytes=tuple(unit_bytes))  # fmt: skip
+
+
+def replicate(stage: Any, blocks: list[Any], dp_mesh: Any, policy: Any) -> None:
+    """``sharding: none`` with d > 1: each replica holds the whole stage, its gradients
+    all-reduced over ``dp`` by FSDP2's ``replicate`` (a unit per block, then the stage), which
+    a pipeline stage takes as it takes FSDP (DDP on a stage fails: the module's docstring)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicated
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for unit in (*blocks, stage):
+        replicated(unit, mesh=dp_mesh, mp_policy=policy or MixedPrecisionPolicy())
 
 
 def tensor_parallel(stage: Any, plan: dict[str, Any], tp_mesh: Any) -> None:

@@ -83,7 +83,7 @@ def measure_model_parallel(exp: Experiment, config: BatchConfig, device: Any) ->
         if dims.pp > 1:
             runner = _Pipeline(model, dims, mesh, device, batch, len(sizes), total, precision)
         else:
-            skip_sync = tr.sharding == "fsdp" and config.grad_sync == "last"
+            skip_sync = dims.dp > 1 and config.grad_sync == "last"
             runner = _Replica(model, batch, sizes, total, precision, loss_fn, skip_sync=skip_sync)
         ties = _TiedGradients(model, dims, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

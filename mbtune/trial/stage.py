@@ -68,7 +68,7 @@ def measure_stage(
             rank0 = types.SimpleNamespace(rank=0, world_size=dims.dp)  # of d replicas
             batch = rank_batch(spec, config, rank0, device, seed=exp.search.seed)
             sizes = rank_micro_batches(config, 0)
-            skip_sync = tr.sharding == "fsdp" and config.grad_sync == "last"
+            skip_sync = dims.dp > 1 and config.grad_sync == "last"
             runner = _Rank0Step(model, dims, batch, sizes, config.batch_size / dims.dp,
                                 loss_fn=stage_loss_fn(model, spec.loss_fn),
                                 skip_sync=skip_sync)  # fmt: skip
