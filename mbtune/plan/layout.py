@@ -65,9 +65,10 @@ class Parts:
         """All of it, as one link within a node carries it."""
         return self.data + self.tensor + self.pipeline
 
-    def volume_only(self) -> Parts:
-        """The bytes alone (no hops): what the measured link floors."""
-        return Parts(*(Traffic(t.volume) for t in (self.data, self.tensor, self.pipeline)))
+    def data_only(self, *, bytes_only: bool = False) -> Parts:
+        """The data-parallel sync alone (its bytes alone, no hops, with ``bytes_only``):
+        what grows with d, and what the measured link floors past the measured counts."""
+        return Parts(Traffic(self.data.volume) if bytes_only else self.data, Traffic(), Traffic())
 
 
 def activations_of(shape: ModelShape | None, records: Sequence[TrialRecord]) -> Activations:
