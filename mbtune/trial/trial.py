@@ -36,6 +36,7 @@ from mbtune.comm import pipeline_traffic, step_traffic, tensor_parallel_traffic
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
+from mbtune.models.shape import shape_of
 from mbtune.progress import PhaseHook
 from mbtune.trial.collectives import OneProcess
 from mbtune.trial.flops import utilisation
@@ -232,6 +233,16 @@ def _measure_here(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Mea
     # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(exp.trial.device)
+    if config.tensor_parallel * config.pipeline_parallel > 1:
+        # rank 0's stages and shard on torch's fake process group; the rest is modelled
+        from mbtune.trial.stage import measure_stage
+
+        try:
+            measured = measure_stage(exp, config, device, phase)
+        finally:
+            release(torch, device)
+        shape = measured.shape or exp.model_shape or shape_of(exp.model)
+        return dataclasses.replace(measured, shape=shape)
     if exp.trial.sharding != "fsdp":
         try:
             return measure(exp, config, device, OneProcess(), phase)
