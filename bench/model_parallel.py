@@ -55,12 +55,15 @@ recommendation within 2% of the best; the calibration bins as
 bench/confidence_calibration.py reads them (its verdicts, on this family alone). Run:
 `.venv/bin/python bench/model_parallel.py [--seeds 50] [--first-seed 100] [--drift 0.035]`
 (`--quick`: 8 seeds, not saved; `--write N`: seed N's landscape as a replay CSV in
-bench/landscapes/).
+bench/landscapes/; `--measured`: the real landscape bench/measure_model_parallel.py
+measured, 2 gloo processes, for every seed: its searches differ by their noise only;
+`--blind`: the search model blind to the layout, as it was before).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import statistics
@@ -73,6 +76,7 @@ from dataclasses import dataclass
 from _common import BENCH, machine, save
 from confidence_calibration import MIN_BIN, TARGET, _print, _stops, _table, _ties, _verdicts
 from confidence_calibration import search as calibrated_search
+from search_efficiency import load_table
 
 from mbtune.comm import Link, pipeline_traffic, step_traffic, tensor_parallel_traffic, two_tier_s
 from mbtune.lattice import (
@@ -95,6 +99,8 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 STOPS_RIGHT = 95
 """The target: stops at 90 right at least this often (%)."""
 QUICK_SEEDS = 8
+MEASURED = BENCH / "landscapes" / "gpt_cpu_model_parallel.csv"
+"""The real landscape: bench/measure_model_parallel.py's (2 gloo processes, a small GPT)."""
 
 
 @dataclass(frozen=True)
@@ -260,13 +266,17 @@ def describe(seed: int) -> str:
             f"runner-up {100 * (1 - second / best):.1f}% behind")  # fmt: skip
 
 
-def calibrate(seeds: range, sampler: str, drift: float, min_bin: int, screen: bool = True) -> dict:
+def calibrate(
+    seeds: range, sampler: str, drift: float, min_bin: int, landscape=None, name: str = "megatron"
+) -> dict:
     """Every seed's search, up to its stop: the bins, the stops, the final recommendations
-    and the verdicts, printed as bench/confidence_calibration.py prints a family."""
+    and the verdicts, printed as bench/confidence_calibration.py prints a family.
+    ``landscape(seed)``: the table (default: :func:`megatron_landscape`)."""
+    landscape = landscape or megatron_landscape
     readings: dict[int, list[tuple[int, bool]]] = defaultdict(list)
     stops, ties, finals, lengths = [], [], [], []
     for seed in seeds:
-        table = megatron_landscape(seed, screen=screen)
+        table = landscape(seed)
         s = calibrated_search(table, sampler, seed, drift)
         readings[seed] += s["readings"]
         lengths.append(len(s["readings"]))
@@ -275,15 +285,16 @@ def calibrate(seeds: range, sampler: str, drift: float, min_bin: int, screen: bo
         if stop and stop["tie"]:
             ties.append(stop)
         elif stop and stop["score"] >= TARGET:
-            stops.append({**stop, "landscape": "megatron"})
+            stops.append({**stop, "landscape": name})
         if stop and not stop["right"]:
+            seen = describe(seed) if landscape is megatron_landscape else "measured"
             print(f"  seed {seed}: stopped {100 * stop['shortfall']:.1f}% short at score "
-                  f"{stop['score']} after {stop['trials']} trials ({describe(seed)})")  # fmt: skip
-    r = {"size": len(megatron_landscape(seeds[0], screen=screen)), "seeds": len(seeds),
+                  f"{stop['score']} after {stop['trials']} trials ({seen})")  # fmt: skip
+    r = {"size": len(landscape(seeds[0])), "seeds": len(seeds),
          "searches": len(seeds), "bins": _table(readings), **_stops(stops), **_ties(ties),
          "worst_stop": max(stops, key=lambda s: s["shortfall"]) if stops else None,
          "final_right": sum(finals), "trials_median": statistics.median(lengths)}  # fmt: skip
-    _print("megatron", r, min_bin)
+    _print(name, r, min_bin)
     r["verdicts"] = _verdicts(r, min_bin)
     right, n = r["stopped_right"], r["stopped"]
     met = n > 0 and 100 * right >= STOPS_RIGHT * n
@@ -315,6 +326,8 @@ def main() -> int:
                         help="measure every configuration, however far over budget")  # fmt: skip
     parser.add_argument("--blind", action="store_true",
                         help="the model blind to the layout (as before issue 40)")  # fmt: skip
+    parser.add_argument("--measured", action="store_true",
+                        help=f"the real landscape ({MEASURED.name}), every seed")  # fmt: skip
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     if args.write is not None:
@@ -326,10 +339,16 @@ def main() -> int:
         args.first_seed, args.first_seed + (args.seeds or (QUICK_SEEDS if args.quick else 50))
     )
     info = machine()
-    print(f"=== megatron landscapes: seeds {seeds[0]}..{seeds[-1]}, drift {args.drift}, "
+    which = "the measured landscape" if args.measured else "megatron landscapes"
+    print(f"=== {which}: seeds {seeds[0]}..{seeds[-1]}, drift {args.drift}, "
           f"sampler {args.sampler} ===")  # fmt: skip
     started = time.perf_counter()
-    r = calibrate(seeds, args.sampler, args.drift, args.min_bin, screen=not args.no_screen)
+    landscape = functools.partial(megatron_landscape, screen=not args.no_screen)
+    if args.measured:  # one landscape: the searches differ by their noise only
+        measured = load_table(MEASURED)
+        landscape = lambda seed: measured  # noqa: E731
+    name = "measured" if args.measured else "megatron"
+    r = calibrate(seeds, args.sampler, args.drift, args.min_bin, landscape, name)
     r["seconds"] = round(time.perf_counter() - started, 1)
     if args.quick:
         print("--quick: raw figures not saved")
@@ -338,7 +357,11 @@ def main() -> int:
         name += (f"_drift{args.drift}" if args.drift else "") + (
             "_noscreen" if args.no_screen else ""
         )
-        name += ("_blind" if args.blind else "") + (f"_{args.tag}" if args.tag else "")
+        name += (
+            ("_measured" if args.measured else "")
+            + ("_blind" if args.blind else "")
+            + (f"_{args.tag}" if args.tag else "")
+        )
         out = save(name, info, {"settings": vars(args), "megatron": r})
         print(f"raw figures: {out.relative_to(BENCH.parent)}")
     return 0 if all(v["met"] for v in r["verdicts"].values()) else 1
