@@ -953,6 +953,40 @@ def test_nemo_exports_the_layout_in_its_recipe_fields(schedule):
     assert undefined_names(export.text) == {"recipe"}  # the user's recipe, all else imported
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nemo_fields_set_a_nemo_recipe(precision):
+    """NeMo 2's own recipe objects (NeMo-Run Configs of nl.Trainer, nl.MegatronStrategy, a
+    data module and a GPT model) take the snippet as pasted; each name set is a parameter
+    of the class it configures (MegatronStrategy takes **kwargs: checked by signature)."""
+    llm = pytest.importorskip("nemo.collections.llm")
+    import inspect
+
+    import nemo_run as run
+    from nemo import lightning as nl
+
+    recipe = run.Partial(
+        llm.pretrain,
+        model=run.Config(llm.GPTModel, config=run.Config(llm.GPTConfig)),
+        trainer=run.Config(nl.Trainer, strategy=run.Config(nl.MegatronStrategy)),
+        data=run.Config(llm.MockDataModule, seq_length=128),
+    )
+    export = export_config("nemo", split_config(2, 2, "interleaved_1f1b"), precision=precision,
+                           activation_checkpointing=True)  # fmt: skip
+    exec(export.text, {"recipe": recipe})  # the snippet as pasted, with your recipe
+    strategy = recipe.trainer.strategy
+    assert set(nemo_fields(export.text)) >= {"trainer.strategy.sequence_parallel"}
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "sequence_parallel"):  # fmt: skip
+        assert name in inspect.signature(nl.MegatronStrategy).parameters
+    assert (strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size,
+            strategy.virtual_pipeline_model_parallel_size) == (2, 2, 2)  # fmt: skip
+    assert (recipe.data.micro_batch_size, recipe.data.global_batch_size) == (4, 64)
+    assert (recipe.trainer.devices, recipe.trainer.num_nodes) == (8, 1)
+    assert recipe.model.config.recompute_granularity == "full"
+    plugin = recipe.trainer.plugins
+    assert plugin.precision == {"fp32": "32", "bf16": "bf16-mixed"}[precision]
+
+
 def test_nemo_shards_with_torch_fsdp2_but_not_a_pipeline():
     flat = export_config("nemo", split_config(2, 1), sharding="fsdp", reshard_after_forward=False)
     assert nemo_fields(flat.text)["trainer.strategy.fsdp"] == "pytorch"
@@ -960,6 +994,15 @@ def test_nemo_shards_with_torch_fsdp2_but_not_a_pipeline():
     piped = export_config("nemo", split_config(1, 2), sharding="fsdp")
     assert "trainer.strategy.fsdp" not in nemo_fields(piped.text)
     assert any("refuses pipeline parallelism" in n for n in piped.notes)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_sharding_one_replica_of_a_split_model_is_exported_unsharded(framework):
+    config = BatchConfig(32, 4, 8, tensor_parallel=2, pipeline_parallel=2)  # d = 1
+    export = export_config(framework, config, sharding="fsdp")
+    assert export.text == export_config(framework, config).text
+    assert "sharding fsdp over 1 replica of a split model shards nothing (its data-parallel " \
+        "group is one device): exported unsharded" in export.notes  # fmt: skip
 
 
 def test_the_others_express_tensor_parallelism_where_they_have_it():

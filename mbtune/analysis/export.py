@@ -153,10 +153,16 @@ def export_config(
     checkpointing = activation_checkpointing or config.activation_checkpointing
     if reshard_after_forward is None:
         reshard_after_forward = config.reshard_after_forward
-    sync_every = fsdp and config.grad_sync == "every"
     exported, notes = expressible(framework, config, recommended_batch_size)
     b, n, m = exported.batch_size, exported.data_parallel, exported.micro_batch_size
     g, (t, p, schedule) = exported.grad_accum_steps, exported.layout
+    if fsdp and n == 1 and t * p > 1:  # FSDP2 over a data-parallel group of one device
+        fsdp = False
+        notes.append(
+            "sharding fsdp over 1 replica of a split model shards nothing (its data-parallel "
+            "group is one device): exported unsharded"
+        )
+    sync_every = fsdp and config.grad_sync == "every"
     bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
     comment = f"# {header}\n" if header else ""
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
