@@ -144,7 +144,8 @@ def test_every_row_s_hours_device_hours_and_cost_follow_from_samples_per_s(tmp_p
     out, err = capsys.readouterr()
     assert code == 0 and "inter-node link is the prior" in err
     report = json.loads(out)
-    assert set(report) == {"rows", "fastest", "cheapest", "cheapest_within"}
+    assert set(report) == {"rows", "fastest", "cheapest", "cheapest_within", "layouts"}
+    assert [rows[0] for rows in report["layouts"]] == report["rows"]  # one layout: the row
     for row in [*report["rows"], report["fastest"], report["cheapest"], report["cheapest_within"]]:
         assert set(row) == {"num_devices", "batch_size", "micro_batch_size",
                             "activation_checkpointing", "reshard_after_forward", "grad_sync",
@@ -869,6 +870,12 @@ def test_a_split_run_plans_its_layouts_in_mbtune_plan_and_plan_csv(tmp_path, cap
     assert "interleaved_1f1b" in out and "fastest: " in out
     frame = pd.read_csv(run / "plan.csv")
     assert {"tensor_parallel", "pipeline_parallel", "pipeline_schedule"} <= set(frame.columns)
+    assert main(["plan", str(run), "--json", "--no-plots"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for rows in report["layouts"]:  # each count: the row, then every other layout's best
+        assert len(rows) == 5 and rows[0]["confidence"] is not None
+        assert len({(r["tensor_parallel"], r["pipeline_parallel"], r["pipeline_schedule"])
+                    for r in rows}) == 5  # fmt: skip
     assert set(frame.query("num_devices == 64").pipeline_schedule) == {"1f1b", "interleaved_1f1b"}
 
 

@@ -184,12 +184,14 @@ class Plan:
         return pd.DataFrame.from_records(records)
 
     def as_json(self) -> dict[str, Any]:
-        """``mbtune plan --json``: the rows and the three picks."""
+        """``mbtune plan --json``: the rows, the three picks, and at each row's count the
+        best configuration of each layout measured there (the row first)."""
         return {
             "rows": [r.as_dict() for r in self.rows],
             "fastest": self.fastest.as_dict(),
             "cheapest": self.cheapest.as_dict(),
             "cheapest_within": self.cheapest_within.as_dict(),
+            "layouts": [[r.as_dict() for r in rows] for rows in self.layouts],
         }
 
 
