@@ -361,6 +361,16 @@ def test_gradient_bytes_counts_the_model_on_the_meta_device():
     assert gradient_bytes(model) == 4 * sum(p.numel() for p in real.parameters())
 
 
+def test_split_shape_reads_the_model_s_width_and_blocks_on_the_meta_device():
+    pytest.importorskip("torch")
+    from mbtune.plan.model_bytes import split_shape
+
+    exp = {**experiment({"samples": 1.0}), "model": {"name": "gpt", "n_layer": 3, "n_head": 4,
+                                                      "d_model": 96, "seq_len": 16}}  # fmt: skip
+    shape = split_shape(parse_experiment(exp).model)
+    assert (shape.layers, shape.hidden, shape.heads) == (3, 96, 4)
+
+
 def test_the_fit_imports_neither_torch_nor_ray(light_imports):
     loaded = light_imports.loaded("plan")  # conftest.LIGHT_IMPORTS: the package imported
     assert not {"torch", "ray"} & loaded.keys(), loaded
