@@ -797,7 +797,7 @@ MEGATRON_SCHEDULES = {
 
 
 @pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
-@pytest.mark.parametrize("layers", [8, None])
+@pytest.mark.parametrize("layers", [8, None, 6])
 def test_megatron_exports_the_layout_and_schedule(schedule, layers):
     export = export_config("megatron", split_config(2, 2, schedule), header="h", layers=layers)
     args = megatron_args(export.text)
@@ -809,11 +809,13 @@ def test_megatron_exports_the_layout_and_schedule(schedule, layers):
     per_rank = args.get("--num-virtual-stages-per-pipeline-rank")
     if v == 1:
         assert per_stage is per_rank is None
-    elif layers:  # 8 layers over 2 ranks x 2 virtual stages
+    elif layers == 8:  # 8 layers over 2 ranks x 2 virtual stages
         assert (per_stage, per_rank) == ("2", None)
-    else:
+    else:  # unknown, or 6: no whole number of layers per virtual stage
         assert (per_stage, per_rank) == (None, "2")
-        assert any("the model's layers are unknown here" in n for n in export.notes)
+        why = "unknown here" if layers is None else "6, not a multiple of 4"
+        assert any(f"the model's layers are {why}: --num-virtual-stages-per-pipeline-rank 2"
+                   in n for n in export.notes)  # fmt: skip
     notes = [n for n in export.notes if n.startswith("pipeline_schedule")]
     assert len(notes) == (said is not None) and (said is None or said in notes[0])
     assert export.text.splitlines()[1] == (

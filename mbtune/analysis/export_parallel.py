@@ -88,12 +88,13 @@ def megatron(
     notes += [said] * (said is not None)
     layout = f" --tensor-model-parallel-size {t}" * (t > 1)
     layout += f" --pipeline-model-parallel-size {p}" * (p > 1)
-    if v > 1 and layers:
+    if v > 1 and layers and layers % (p * v) == 0:
         layout += f" --num-layers-per-virtual-pipeline-stage {layers // (p * v)}"
     elif v > 1:
         layout += f" --num-virtual-stages-per-pipeline-rank {v}"
+        unknown = f"{layers}, not a multiple of {p * v}" if layers else "unknown here"
         notes.append(
-            f"the model's layers are unknown here: --num-virtual-stages-per-pipeline-rank {v} "
+            f"the model's layers are {unknown}: --num-virtual-stages-per-pipeline-rank {v} "
             "(Megatron-LM core 0.11 on); an older Megatron-LM takes "
             f"--num-layers-per-virtual-pipeline-stage (its layers / {p * v})"
         )
