@@ -279,9 +279,13 @@ class Display:
         lines = []
         for i, r in enumerate(ordered, start=1):
             c = r.config
-            t, p, schedule = c.layout
-            split = (f" (t {t}, p {p})" if short else f", tensor_parallel {t}, pipeline_parallel "
-                     f"{p} ({schedule})") if t * p > 1 else ""  # fmt: skip
+            t, p, schedule = c.layout  # as mbtune.report.sizes names them: what splits
+            if short:
+                split = f" (t {t}, p {p})" if t * p > 1 else ""
+            else:
+                split = f", tensor_parallel {t}" * (t > 1) + (
+                    f", pipeline_parallel {p} ({schedule})" if p > 1 else ""
+                )
             sizes = (
                 f"n {c.num_devices}{split}, B {c.batch_size}, m {c.micro_batch_size}"
                 if short
