@@ -306,3 +306,22 @@ def test_two_devices_measured_at_a_small_micro_batch_only_keep_a_chance_at_large
     assert two_devices_threat() >= RIVAL_ACROSS
     monkeypatch.setattr(gp, "_CROSS_SD", 0.0)  # one slope for every device count
     assert two_devices_threat() < RIVAL_ACROSS
+
+
+def test_measured_rivals_are_read_one_by_one_as_well_as_jointly():
+    # one dimension, the leader (m = 32) seen twice high, the true best (m = 64, 3.5% ahead)
+    # and another rival (m = 16) twice low each, on a machine drifting 3.5% between trials
+    # (bench/close_calls.py --landscape rivals, seed 11): the joint draws lend the measured
+    # neighbours the smooth prior's correlation and put the leader within 2% of the best in
+    # 92% of them; each rival read from its own and the leader's posterior, their doubts
+    # summed (a bound on the chance that one of them beats it), leave it under 90
+    looks = [(8, 924), (1, 404), (64, 949), (32, 1035), (16, 999), (32, 973), (16, 930), (64, 979)]
+    a = assess(POINTS, [ok(c(m), v, 0.01, 5, i) for i, (m, v) in enumerate(looks)],
+               noise_floor=0.035)  # fmt: skip
+    assert a.recommended == c(32)
+    assert a.within[c(32)] >= 0.90 and a.threat[c(64)] < 0.05 and a.threat[c(16)] < 0.05
+    assert a.confidence < 90
+    # a clear lead over each rival, measured as often, keeps its score
+    clear = [(m, v * (1.1 if m == 32 else 1.0)) for m, v in looks]
+    assert assess(POINTS, [ok(c(m), v, 0.01, 5, i) for i, (m, v) in enumerate(clear)],
+                  noise_floor=0.035).confidence >= 95  # fmt: skip

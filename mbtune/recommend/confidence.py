@@ -53,6 +53,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.stats import norm
 from threadpoolctl import threadpool_limits
 
 from mbtune.config.search import SearchConfig
@@ -213,6 +214,11 @@ def assess(
     unbounded = _unmeasured_values(
         candidates, [o.config for o in observations if o.status != "oom"]
     )
+    # measured rivals one by one too: their doubts summed bound the chance that one beats
+    # the leader, without the correlation the smooth prior lends two measured neighbours
+    one_by_one = 1 - rivals_doubt(gp, z[measured], offset[measured],
+                                  measured.index(best_measured), margin)  # fmt: skip
+    probability = min(probability, max(0.0, one_by_one - unmeasured_threat))
     held_open = (1 - OPEN_CHANCE) ** sum(map(len, unbounded.values()))
     probability *= held_open
     unmeasured_threat = max(unmeasured_threat, 1 - held_open)
@@ -247,6 +253,29 @@ def assess(
         within={c: float(each[:, j].mean()) * held_open for c, j in columns.items()},
         contenders=contenders,
     )
+
+
+def rivals_doubt(
+    gp: Mixture, z: np.ndarray, offset: np.ndarray, leader: int, margin: float
+) -> float:
+    """The sum over the measured configurations ``z`` (``leader`` among them) of each
+    one's chance of beating the leader by more than the tolerance (``margin``: the log of
+    1 - tolerance), each read from its own and the leader's marginal posterior, as if
+    independent: a union bound on the chance that one of them does, which accounts for
+    every rival at once and lends two measured configurations no correlation from the
+    model's smoothness. The joint draws correlate neighbours through the smooth prior,
+    which narrows the difference between two measured ones beyond what their looks show:
+    a landscape with a step between neighbours (the best 4% and 6% ahead of the two beside
+    it) broke that, and the joint draws gave a rival measured twice 3.4% where the two
+    configurations' own posteriors give 8.7% (bench/close_calls.py --landscape rivals;
+    docs/confidence.md)."""
+    mean, sd = gp.marginals(z)
+    mean = mean + offset
+    gap = mean - mean[leader] + margin  # above 0: beats the leader by more than the tolerance
+    spread = np.sqrt(sd**2 + sd[leader] ** 2)
+    doubt = norm.sf(-gap / np.maximum(spread, 1e-12))
+    doubt[leader] = 0.0
+    return float(doubt.sum())
 
 
 def within_draws(draws: np.ndarray, margin: float) -> np.ndarray:

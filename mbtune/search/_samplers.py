@@ -50,6 +50,7 @@ __all__ = [
     "Proposal",
     "RecommendAndStop",
     "first_guess",
+    "likeliest_best",
     "make_sampler",
     "optuna_sampler",
     "search_model",
@@ -165,9 +166,11 @@ def _anyway(h: History, points: Sequence[BatchConfig]) -> BatchConfig:
 
 class ModelSampler(LatticeSampler):
     """The search model as an Optuna sampler (``search.sampler: model``): the configuration
-    the model finds most likely the fastest, or another look at the leader or a close
-    rival where the model finds that worth more than anything new, and the likeliest
-    rivals before a stop (docs/confidence.md). Its state is the study's trials: a study
+    the model finds most likely the fastest, first and whenever it is still to be measured
+    (:func:`likeliest_best`); then the checks a stop waits for: a value of a dimension
+    never measured (beside the leader), another look at the leader or a close rival where
+    the model finds that worth more than anything new, and the likeliest rivals before a
+    stop (docs/confidence.md). Its state is the study's trials: a study
     resumed, or taught an earlier run's trials (user attribute ``warm_start``), is
     proposed in as if it had never stopped. ``RecommendAndStop`` stops a study of your own
     where ``mbtune run`` would stop."""
@@ -198,13 +201,15 @@ class ModelSampler(LatticeSampler):
         view = self.assessment([*h.taught, *h.observations]) if h.taught else a
         # with batch mixing, only m = P runs: every other point is that one (key)
         open_points = sorted({h.key(p) for p in self.points} - set(h.measured) - h.busy)
+        if open_points and view is None:
+            return Proposal(first_guess(open_points, self.model.global_objective))
+        if view is not None and (best := likeliest_best(view, open_points, self.model.target)):
+            return Proposal(best)  # the best guess first, the checks after it
         new = None
         if open_points:
-            if view is None:
-                new = first_guess(open_points, self.model.global_objective)
-            elif unmeasured := [p for p in open_points if p in view.open_points]:
-                # a value never measured first (nothing else settles its chance): beside
-                # the leader, so that the two differ in that value alone
+            if unmeasured := [p for p in open_points if p in view.open_points]:
+                # a value never measured (nothing else settles its chance): beside the
+                # leader, so that the two differ in that value alone
                 new = nearest(unmeasured, view.recommended or unmeasured[0])
             else:
                 likely = {p: view.p_best.get(p, 0.0) for p in open_points}
@@ -257,6 +262,21 @@ def first_guess(points: Sequence[BatchConfig], global_objective: bool) -> BatchC
         most = max(p.num_devices for p in points)
         points = [p for p in points if p.num_devices == most]
     return _middle(points)
+
+
+def likeliest_best(
+    a: Assessment, open_points: Sequence[BatchConfig], target: int
+) -> BatchConfig | None:
+    """The configuration the model finds likeliest the fastest (the highest probability
+    of being the best, measured or not), where it is still to be measured and the search
+    is below its target: measured next, before another look or a check. Caution belongs
+    before the stop, not before the best guess: the second looks and every value's
+    likeliest configuration (a device count never measured) come once the likeliest best
+    is measured, and the stop waits for them all the same (docs/confidence.md)."""
+    if not a.p_best or a.confidence >= target or a.tie is not None:
+        return None
+    best = max(a.p_best, key=a.p_best.__getitem__)
+    return best if best in open_points else None
 
 
 def _middle(points: Sequence[BatchConfig]) -> BatchConfig:
