@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from _common import BENCH, machine, save
 from confidence_calibration import MIN_BIN, TARGET, _print, _stops, _table, _ties, _verdicts
 from confidence_calibration import search as calibrated_search
-from search_efficiency import load_table
+from search_efficiency import load_table, trials_to_near_best
 
 from mbtune.comm import Link, pipeline_traffic, step_traffic, tensor_parallel_traffic, two_tier_s
 from mbtune.lattice import (
@@ -310,6 +310,24 @@ def calibrate(
     return r
 
 
+def efficiency(seeds: range, samplers: list[str], landscape) -> dict:
+    """bench/search_efficiency.py's reading on these landscapes: trials until a
+    configuration within 2% of the best was measured (no stop), by sampler."""
+    out = {}
+    for sampler in samplers:
+        counts, sizes = [], []
+        for seed in seeds:
+            table = landscape(seed)
+            counts.append(trials_to_near_best(table, sampler, seed))
+            sizes.append(len(table))
+        q = statistics.quantiles(counts, n=4)
+        out[sampler] = {"median": statistics.median(counts), "p75": q[2], "counts": counts,
+                        "sizes": sizes}  # fmt: skip
+        print(f"  {sampler:<8} median {statistics.median(counts):5.1f}  p75 {q[2]:5.1f}  "
+              f"(lattices: median {statistics.median(sizes)} configurations)")  # fmt: skip
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=None, help=f"default 50 ({QUICK_SEEDS} quick)")
@@ -328,6 +346,8 @@ def main() -> int:
                         help="the model blind to the layout (as before issue 40)")  # fmt: skip
     parser.add_argument("--measured", action="store_true",
                         help=f"the real landscape ({MEASURED.name}), every seed")  # fmt: skip
+    parser.add_argument("--efficiency", nargs="*", default=None, metavar="SAMPLER",
+                        help="trials to a near-best one, by sampler (no stops)")  # fmt: skip
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     if args.write is not None:
@@ -348,6 +368,12 @@ def main() -> int:
         measured = load_table(MEASURED)
         landscape = lambda seed: measured  # noqa: E731
     name = "measured" if args.measured else "megatron"
+    if args.efficiency is not None:
+        r = efficiency(seeds, args.efficiency or ["model", "random", "tpe"], landscape)
+        out = save(f"model_parallel_efficiency_seeds{seeds[0]}-{seeds[-1]}"
+                   + ("_blind" if args.blind else ""), info, r)  # fmt: skip
+        print(f"raw figures: {out.relative_to(BENCH.parent)}")
+        return 0
     r = calibrate(seeds, args.sampler, args.drift, args.min_bin, landscape, name)
     r["seconds"] = round(time.perf_counter() - started, 1)
     if args.quick:

@@ -6,8 +6,9 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
 1. **Feasible region.** Every distinct configuration of the space is a candidate, except
    those that cannot win: a configuration that failed (``error``, ``timeout``) and every
    configuration whose micro-batch is at least as large as one that ran out of memory
-   with the same activation checkpointing (memory grows with the micro-batch a device
-   runs, whatever n and B are).
+   with the same variant, the layout (t, p, schedule) and the settings of a step (memory
+   grows with the micro-batch a device runs, whatever n and B are; in a pipeline with the
+   replica's batch P too): :func:`feasible_points`.
 2. **Measurement noise.** Each trial keeps every step time. The relative spread of step
    times is pooled over all trials (one trial's few steps say little on their own) and
    turned into the variance of the log of each trial's median, plus the run-to-run drift
@@ -17,8 +18,9 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    (:func:`drift_variance`): mbtune.recommend.noise. Every repeat is an observation of
    its own (mbtune.recommend.observation).
 3. **A model of the rest** (:mod:`mbtune.recommend.gp`). The log of the objective over
-   (m, n, B and the settings of a step, in octaves) is a Gaussian process with a trend
-   and a smooth deviation, averaged over its shape hyperparameters.
+   (m, n, B, the settings of a step and the layout: t, p in octaves, the schedule as a
+   category, the pipeline's bubble in the trend) is a Gaussian process with a trend and a
+   smooth deviation, averaged over its shape hyperparameters.
 4. **The score.** Joint samples of the true objective of every feasible configuration,
    measured or not, are drawn from the posterior. The recommendation is the measured
    configuration with the highest posterior mean; the score is the fraction of samples
