@@ -23,7 +23,13 @@ from ``torch.distributed._tools``: a private package, but the only tools that fo
 every tensor of a step by the part it belongs to (parameters, gradients, optimizer state,
 activations, FSDP's all-gather and reduce-scatter buffers), as torchtitan's memory
 estimation uses them; the alternative, a hand count per model, is what mbtune avoids
-(docs/STYLE: no formulas per model). A private path changed by torch raises one line.
+(docs/STYLE: no formulas per model). A private path changed by torch raises one line
+(mbtune.trial.tracking holds them, and the steps they count).
+
+A configuration that splits the model (``tensor_parallel`` t > 1 or ``pipeline_parallel``
+p > 1) is predicted for rank 0's stages and tensor-parallel shard, made as a real rank
+makes them, with the activations its schedule holds in flight (mbtune.trial.predict_stage):
+the same parts, the same process baseline.
 
 Not every block is traced. A deep model's layers are one run of identical blocks, and
 each part at the peak grows by the same bytes with each of them: the steps are taken on a
@@ -77,6 +83,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
 from mbtune.trial.blocks import cut, repeated_blocks, scaled_parts
 from mbtune.trial.precision import Precision
+from mbtune.trial.predict_stage import RankShare, stage_peaks
 from mbtune.trial.sharding import (
     fake_process_group,
     gradient_sync_skipped,
@@ -91,6 +98,7 @@ from mbtune.trial.step import (
     rank_micro_batches,
     synced_step,
 )
+from mbtune.trial.tracking import batch_tensor_list, to_empty_tied, trace_steps, trackers
 
 __all__ = [
     "CPU_COMPILE_BYTES",
@@ -116,9 +124,6 @@ CPU_COMPILE_BYTES = {"simulate": 60 * 2**20, "ddp": 66 * 2**20}
 trial of :data:`CPU_PROCESS_BASELINE_BYTES` compiled less eager: forked 338.7 MiB in three
 trials against 278.6 (in a process of its own 419 against 330), a gloo worker 541 MiB in
 two runs against 476 (557 against 491 when the forked figures were taken)."""
-
-_STEPS = 2
-"""Steps simulated: the first allocates the optimizer's state, the second is a steady one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +154,9 @@ class MemoryPrediction:
     peak_memory_bytes: int
     """Every part together: the figure a trial's ``peak_memory_bytes`` measures."""
     note: str | None = None
+    share: RankShare | None = None
+    """Where the configuration splits the model: rank 0's stages and the activations it
+    holds in flight (mbtune.trial.predict_stage); None where every device holds it whole."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -167,6 +175,7 @@ class MemoryPrediction:
                 "process_baseline_bytes": self.process_baseline_bytes,
             },
             "note": self.note,
+            "rank0": dataclasses.asdict(self.share) if self.share else None,
         }
 
 
@@ -187,27 +196,14 @@ def predict_memory(
     module = spec.module
     num_parameters = sum(p.numel() for p in module.parameters())
     sharded = tr.sharding == "fsdp"
-
-    def trace(depths: dict[str, int]) -> list[dict[str, int]]:
-        """The candidate peaks (parts) of a copy of the model, its runs of blocks cut to
-        ``depths``."""
-        copied = dataclasses.replace(spec, module=cut(module, depths))
-        group = fake_process_group(config.num_devices, who="mbtune memory") if sharded else None
-        with group or contextlib.nullcontext() as mesh:
-            if sharded:
-                policy = mixed_precision(precision) or _plain_policy()
-                shard(copied.module, shard_units(copied.module), mesh, policy,
-                      reshard_after_forward=config.reshard_after_forward)  # fmt: skip
-            return _steps_at_peak(copied, config, precision, sharded=sharded,
-                                  card=device == "cuda")  # fmt: skip
-
-    runs = {} if whole else repeated_blocks(module)
-    try:
-        peaks = scaled_parts(runs, trace) if runs else None
-    except Exception:  # a forward that does not take its blocks cut: traced whole below
-        peaks = None
-    parts = max(peaks or trace({}), key=lambda candidate: sum(candidate.values()))
-    if not sharded and tr.parallel == "ddp" and config.num_devices > 1:
+    card = device == "cuda"
+    share = None
+    if config.tensor_parallel > 1 or config.pipeline_parallel > 1:  # rank 0's stages
+        peaks, share = stage_peaks(spec, config, tr, precision, card=card, whole=whole)
+    else:
+        peaks = _replica_peaks(spec, config, precision, sharded=sharded, card=card, whole=whole)
+    parts = max(peaks, key=lambda candidate: sum(candidate.values()))
+    if not sharded and tr.parallel == "ddp" and config.data_parallel > 1:
         # DDP's buckets: a second copy of the gradients, held from its construction on
         parts["collective_buffers_bytes"] += sum(
             p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
@@ -225,8 +221,37 @@ def predict_memory(
         process_baseline_bytes=baseline,
         peak_memory_bytes=sum(parts.values()) + baseline,
         note=note,
+        share=share,
         **parts,
     )
+
+
+def _replica_peaks(
+    spec: Any, config: BatchConfig, precision: str, *, sharded: bool, card: bool, whole: bool
+) -> list[dict[str, int]]:
+    """The candidate peaks (parts) of rank 0 where every device holds the whole model (or
+    its FSDP shard of it): a few of its repeated blocks traced, the rest counted from them
+    (mbtune.trial.blocks), or every block where ``whole``."""
+    module = spec.module
+
+    def trace(depths: dict[str, int]) -> list[dict[str, int]]:
+        """The candidate peaks (parts) of a copy of the model, its runs of blocks cut to
+        ``depths``."""
+        copied = dataclasses.replace(spec, module=cut(module, depths))
+        group = fake_process_group(config.num_devices, who="mbtune memory") if sharded else None
+        with group or contextlib.nullcontext() as mesh:
+            if sharded:
+                policy = mixed_precision(precision) or _plain_policy()
+                shard(copied.module, shard_units(copied.module), mesh, policy,
+                      reshard_after_forward=config.reshard_after_forward)  # fmt: skip
+            return _steps_at_peak(copied, config, precision, sharded=sharded, card=card)
+
+    runs = {} if whole else repeated_blocks(module)
+    try:
+        peaks = scaled_parts(runs, trace) if runs else None
+    except Exception:  # a forward that does not take its blocks cut: traced whole below
+        peaks = None
+    return peaks or trace({})
 
 
 def prediction_lines(p: MemoryPrediction) -> list[str]:
@@ -237,9 +262,12 @@ def prediction_lines(p: MemoryPrediction) -> list[str]:
     def part(label: str, value: int) -> str:
         return f"  {label:<20} {value / mib:>12,.1f} MiB"
 
+    layout = ""
+    if p.share:
+        layout = f"t={c.tensor_parallel}, p={c.pipeline_parallel}, d={c.data_parallel}, "
     lines = [
         f"predicted peak memory of one {p.device} device: {p.peak_memory_bytes / mib:,.1f} MiB "
-        f"(B={c.batch_size}, n={c.num_devices}, m={c.micro_batch_size}, "
+        f"(B={c.batch_size}, n={c.num_devices}, {layout}m={c.micro_batch_size}, "
         f"g={c.grad_accum_steps}, sharding {p.sharding}, {p.precision}, "
         f"{p.num_parameters:,} parameters)",
         part("parameters", p.parameters_bytes),
@@ -250,9 +278,24 @@ def prediction_lines(p: MemoryPrediction) -> list[str]:
     ]
     if p.process_baseline_bytes:
         lines.append(part("process baseline", p.process_baseline_bytes))
+    if p.share:
+        lines.append(f"  {_share_line(p.share, c)}")
     if p.note:
         lines.append(f"  note: {p.note}")
     return lines
+
+
+def _share_line(share: RankShare, c: BatchConfig) -> str:
+    """What rank 0 of a split model holds, in words."""
+    held = " and ".join(str(s) for s in share.stages)
+    schedule = f" ({c.pipeline_schedule})" if c.pipeline_parallel > 1 else ""
+    chunk = "micro-batch" if len(share.stages) == 1 else "stage's micro-batch"
+    shard = f", its tensor-parallel shard of 1/{c.tensor_parallel}" * (c.tensor_parallel > 1)
+    return (
+        f"rank 0: stage{'s' * (len(share.stages) > 1)} {held} of {share.num_stages}{shard}; "
+        f"activations of up to "
+        f"{share.in_flight} {chunk}{'es' * (share.in_flight > 1)} in flight{schedule}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -270,35 +313,29 @@ def _steps_at_peak(
 ) -> list[dict[str, int]]:
     """Two steps of rank 0 on fake tensors, as mbtune.trial.measure takes them; the
     trackers' bytes of each part at the peak, and with ``card`` a second candidate for the
-    peak (the larger is the device's; each is counted from a few blocks on its own, since
-    which is larger may change with the depth). ``card``: for a CUDA device, whose AdamW is
-    torch's multi-tensor (foreach) one by default: its step holds a temporary as large as
-    this rank's parameters (the second moments' square roots) that the CPU's step, one
-    tensor at a time, does not; it is added to what the last step began with, and counted
-    as optimizer state. Without it a 7B Llama sharded over 2 with ``grad_sync: every``
-    (its peak in the optimizer's step) was predicted 15% under its peak on an H200
-    (bench/memory_prediction.py --cuda). The foreach step is not run on the fake tensors
-    themselves: the trackers lose count of its temporaries (9 times the parameters)."""
+    peak, a card's foreach AdamW (mbtune.trial.tracking.trace_steps; the larger is the
+    device's; each is counted from a few blocks on its own, since which is larger may change
+    with the depth)."""
     import torch
 
-    trackers = _trackers()
+    tools = trackers()
     module = spec.module
     sizes = rank_micro_batches(config, 0)
     loss_fn = Precision(precision, "cpu").loss(spec.loss_fn)
     # each micro-batch's share, as the trial weighs it (a device's share of B / n)
     total = sum(sizes) if config.num_devices == 1 else config.batch_size / config.num_devices
     # meta tensors go into the fake mode as inputs (they hold nothing either)
-    with trackers.fake_mode(allow_non_fake_inputs=True):
-        _to_empty_tied(module, "cpu")
+    with tools.fake_mode(allow_non_fake_inputs=True):
+        to_empty_tied(module, "cpu")
         module.train()
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         batches = split_batch(spec.make_batch(sum(sizes), torch.device("cpu")), sizes)
         if sharded:
-            tracker = trackers.fsdp(module, optimizer)
+            tracker = tools.fsdp(module, optimizer)
             tracker.track_inputs(tuple(batches))
         else:
-            tracker = trackers.plain()
-            tracker.track_external(module, optimizer, *_tensors(batches))
+            tracker = tools.plain()
+            tracker.track_external(module, optimizer, *batch_tensor_list(batches))
 
         def tracked_loss(model: Any, batch: Any) -> Any:
             # the trackers follow one forward pass per module: each micro-batch's anew
@@ -314,66 +351,19 @@ def _steps_at_peak(
         # a step's peak is reached in its first micro-batch (the largest) or its last (the
         # synced one): those between repeat the first's sizes on gradients already there
         run = batches if len(batches) <= 2 else [batches[0], batches[-1]]
-        with tracker:
-            for _ in range(_STEPS):
-                if sharded:  # as the trial: no reduce-scatter but the last (grad_sync last)
-                    synced_step(tracked_loss, module, run, total=total, no_sync=no_sync)
-                else:
-                    accumulate_gradients(tracked_loss, module, run, total=total)
-                if card:  # what the step begins with: the foreach temporary comes on top
-                    before_step = _parts(tracker.get_tracker_snapshot("current"))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        parts = _parts(tracker.get_tracker_snapshot("peak"))
-        if not card:
-            return [parts]
-        local = (getattr(p, "_local_tensor", p) for p in module.parameters() if p.requires_grad)
-        before_step["optimizer_state_bytes"] += sum(t.numel() * t.element_size() for t in local)
-        return [parts, before_step]
+
+        def backward() -> None:
+            if sharded:  # as the trial: no reduce-scatter but the last (grad_sync last)
+                synced_step(tracked_loss, module, run, total=total, no_sync=no_sync)
+            else:
+                accumulate_gradients(tracked_loss, module, run, total=total)
+
+        return trace_steps(tracker, optimizer, list(module.parameters()), lambda: [backward],
+                           card=card)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
-# the parts
-
-
-_PARTS = {
-    "parameters_bytes": ("Parameter", "Sharded Param", "Unsharded Param", "Buffer"),
-    "gradients_bytes": ("Gradient", "Sharded Grad", "Unsharded Grad"),
-    "optimizer_state_bytes": ("Optstate", "OptState"),
-    "activations_bytes": ("Activation", "Temp", "Inputs", "Other"),
-    "collective_buffers_bytes": ("All Gather", "Reduce Scatter"),
-}
-"""The trackers' categories (by their values) in the parts a prediction names."""
-
-
-def _parts(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
-    """The bytes of each part at the peak, summed over the snapshot's devices."""
-    parts = dict.fromkeys(_PARTS, 0)
-    owner = {category: part for part, categories in _PARTS.items() for category in categories}
-    for by_category in snapshot.values():
-        for category, nbytes in by_category.items():
-            name = getattr(category, "value", category)
-            if name != "Total":
-                parts[owner.get(name, "activations_bytes")] += int(nbytes)
-    return parts
-
-
-def _to_empty_tied(module: Any, device: str) -> None:
-    """``module.to_empty(device)``, its tied parameters (an embedding shared with the
-    output layer) still one: from meta to fake tensors, which torch cannot swap in place,
-    ``to_empty`` makes each module's parameter anew, and a tied weight would count twice."""
-    owners = [
-        (m, name, id(p))
-        for m in module.modules()
-        for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
-    ]
-    module.to_empty(device=device)
-    first: dict[int, Any] = {}
-    for m, name, key in owners:
-        if key in first:
-            setattr(m, name, first[key])
-        else:
-            first[key] = getattr(m, name)
+# the process
 
 
 _LIBRARY_PROBE = """
@@ -419,40 +409,6 @@ def _probe(model: bytes) -> int:
         why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         raise MbtuneError(f"mbtune memory: measuring the model's library failed: {why[0]}")
     return max(0, int(lines[-1]))
-
-
-def _tensors(batches: list[Any]) -> list[Any]:
-    from mbtune.models.batch import batch_tensors
-
-    return [t for batch in batches for t in batch_tensors(batch)]
-
-
-# ---------------------------------------------------------------------------
-# torch's tools
-
-
-@dataclass(frozen=True)
-class _Trackers:
-    fake_mode: Any
-    fsdp: Any
-    plain: Any
-
-
-def _trackers() -> _Trackers:
-    """torch's fake tensors and memory trackers, from their private modules (see the
-    module's docstring); a torch that moved them is one line, not a traceback."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-        from torch.distributed._tools.mem_tracker import MemTracker
-    except ImportError as e:
-        import torch
-
-        raise MbtuneError(
-            f"mbtune memory needs torch's FakeTensorMode and memory trackers, which torch "
-            f"{torch.__version__} does not have where mbtune looks ({e}); use torch 2.13"
-        ) from None
-    return _Trackers(FakeTensorMode, FSDPMemTracker, MemTracker)
 
 
 def has_cuda() -> bool:

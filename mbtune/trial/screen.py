@@ -53,7 +53,8 @@ def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
     """Predict which of ``configs`` (a search's points) cannot fit the memory budget, as a
     trial would judge its measured peak (mbtune.trial.memory.over_budget), without
     predicting each: memory grows with the micro-batch a device runs, and with the batch
-    at the same micro-batch, so for each (n, settings of a step), from the smallest batch
+    at the same micro-batch, so for each (n, layout, settings of a step: BatchConfig.
+    variant; each layout holds its own share of the model), from the smallest batch
     up, a search over m from the largest down finds the smallest m predicted over the
     budget: it and every larger m are over, as is every m at least as large at a larger
     batch. Runs
@@ -78,7 +79,7 @@ def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
 
     groups: dict[tuple[Any, ...], dict[int, list[BatchConfig]]] = {}
     for c in sorted({c.canonical() for c in configs}):
-        groups.setdefault((c.num_devices, *c.settings), {}).setdefault(c.batch_size, []).append(c)
+        groups.setdefault((c.num_devices, *c.variant), {}).setdefault(c.batch_size, []).append(c)
     found: list[tuple[BatchConfig, str]] = []
     try:
         for by_batch in groups.values():

@@ -1,0 +1,270 @@
+"""Memory before measuring where a configuration splits the model (tensor_parallel t > 1 or
+pipeline_parallel p > 1): the peak of rank 0, which holds the first stage and so the most
+activations in flight, for its stages and its shard (mbtune.trial.predict reads it).
+
+How. Rank 0's share is made as a real rank makes it (mbtune.trial.parallelize.
+build_rank_model: the model's split into stages, its tensor-parallel plan, FSDP2 over the
+data-parallel replicas with ``sharding: fsdp``), on the meta device, over a (dp, pp, tp)
+device mesh of torch's fake process group (mbtune.trial.sharding.fake_process_group: no
+communication); then its stages take two steps on fake tensors, counted by torch's memory
+trackers (mbtune.trial.tracking), their forward and backward passes in the order torch's
+own schedule runs them on rank 0 (``torch.distributed.pipelining``'s action list, read by
+mbtune.trial.stage.rank0_actions). What a peer would send is stood in for: a later stage on
+rank 0 takes a copy of the first stage's output of the same micro-batch (the receive
+buffer a real stage allocates), and the gradient a later rank would send back is a tensor
+of the output's shape.
+
+The activations in flight. The schedule's action list says how many: a micro-batch's
+activations on a stage are held from its forward pass to its backward pass, or, where the
+schedule splits the backward into an input and a weight half (zbv, dualpipev), to the
+weight half, which still reads them (the trace runs the whole backward there). Rank 0 then
+holds, at most (:func:`chunks_in_flight`), for g >= 2p: gpipe all g micro-batches (every
+forward runs first); 1f1b min(g, p) (p - 1 warm-up forwards, then a forward and a
+backward in turn); interleaved_1f1b 3p - 1 chunks of its v = 2 stages, each half of the
+rank's layers: p + (p - 1) / 2 micro-batches of them, Megatron's p + (p - 1) / v; zbv 2p
+chunks (p micro-batches of the rank's layers), dualpipev 2p + 1: the V's warm-up, the
+weight halves still to run.
+
+Only a few micro-batches are traced: the fewest g' (the largest of rank 0's) whose schedule
+holds as many in flight as g's does, and, where g has more than that, one more, so that a
+forward runs with gradients already there as in a long step's steady state
+(:func:`traced_micro_batches`); the schedule's own rules on g' hold (g' a multiple of p
+for interleaved_1f1b, at least 2p for dualpipev). A stage of a deep model is cut as
+mbtune.trial.blocks cuts one: rank 0's stages traced with 3 blocks each and again with 4
+(the model cut to 3 and 4 blocks a stage), each part counted from the difference to the
+stage's depth, where its stages have more than 8 blocks (two cut traces are quicker than
+one whole then). Each computation of the schedule is a phase of its own
+(mbtune.trial.tracking.trace_steps): its peak scales with the depth on its own.
+
+As the real pipeline (torch's PipelineStage) runs a sharded stage, its backward passes
+keep the gathered parameters and reduce no gradient but the stage's last of the step's
+(``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``); without a
+pipeline (t > 1 alone) a sharded stage skips the sync with ``grad_sync: last`` as any
+sharded step does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mbtune.errors import MbtuneError
+from mbtune.lattice import BatchConfig, layout_rule
+from mbtune.models.batch import split_batch
+from mbtune.trial.blocks import BASE_DEPTH, cut, repeated_blocks, scaled_parts
+from mbtune.trial.parallelize import ParallelDims, RankModel, build_rank_model, model_parts
+from mbtune.trial.pipeline import stage_loss_fn
+from mbtune.trial.precision import Precision
+from mbtune.trial.sharding import fake_process_group, gradient_sync_skipped
+from mbtune.trial.stage import rank0_actions
+from mbtune.trial.step import rank_micro_batches
+from mbtune.trial.tracking import batch_tensor_list, to_empty_tied, trace_steps, trackers
+
+__all__ = ["RankShare", "chunks_in_flight", "stage_peaks", "traced_micro_batches"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankShare:
+    """What rank 0 of a split model holds, beside its bytes."""
+
+    stages: tuple[int, ...]
+    """Its stages, of :attr:`num_stages`."""
+    num_stages: int
+    in_flight: int
+    """Chunks (a stage's activations of one micro-batch) it holds at once, at most, by the
+    schedule (:func:`chunks_in_flight`)."""
+    traced_micro_batches: int
+    """The micro-batches of a step traced (:func:`traced_micro_batches`)."""
+
+
+def chunks_in_flight(dims: ParallelDims, microbatches: int) -> int:
+    """The most chunks rank 0 holds the activations of at once in one step of ``dims``'s
+    schedule with ``microbatches``: each from its forward pass to its backward pass (its
+    weight half, where the schedule splits it)."""
+    held, most = 0, 0
+    for kind, _, _ in _with_release(rank0_actions(dims, microbatches)):
+        if kind == "F":
+            held += 1
+            most = max(most, held)
+        elif kind == "release":
+            held -= 1
+    return most
+
+
+def traced_micro_batches(config: BatchConfig, microbatches: int) -> int:
+    """The fewest micro-batches g' <= g (``microbatches``) whose step holds as many chunks
+    in flight on rank 0 as g's, one more where g has more (a forward with gradients already
+    there), and that the schedule accepts (mbtune.lattice.layout_rule)."""
+    dims = ParallelDims.of(config)
+    most = chunks_in_flight(dims, microbatches)
+    for g in range(1, microbatches):
+        if g <= most or layout_rule(config.num_devices, *config.layout, microbatches=g):
+            continue
+        if chunks_in_flight(dims, g) == most:
+            return g
+    return microbatches
+
+
+def stage_peaks(
+    spec: Any, config: BatchConfig, trial: Any, precision: str, *, card: bool, whole: bool
+) -> tuple[list[dict[str, int]], RankShare]:
+    """The candidate peaks (parts, as mbtune.trial.predict's) of rank 0's share of
+    ``config`` (see the module's docstring), and what it holds. ``spec``: the model built on
+    the meta device; ``precision``: resolved for the device predicted; ``card``: a CUDA
+    device's foreach AdamW (mbtune.trial.tracking.trace_steps); ``whole``: every block of
+    its stages traced."""
+    dims = ParallelDims.of(config)
+    module = spec.module
+    per_stage = model_parts(module, dims).num_blocks // dims.num_stages
+    sizes = rank_micro_batches(config, 0)
+    traced = traced_micro_batches(config, len(sizes))
+    sizes = sizes[:traced]  # the largest come first
+    # as a rank builds it, on the meta device: nothing compiled, the precision resolved
+    as_built = dataclasses.replace(trial, compile=False, precision=precision)
+    share: dict[str, Any] = {}
+
+    def trace(depths: dict[str, int]) -> list[dict[str, int]]:
+        """The candidate peaks of rank 0's stages of a copy of the model, its runs of blocks
+        cut to ``depths`` blocks a stage."""
+        copied = cut(module, {name: depth * dims.num_stages for name, depth in depths.items()})
+        with fake_process_group(config.num_devices, who="mbtune memory"):
+            mesh = dims.mesh("cpu")
+            rank = build_rank_model(copied, dims, mesh, as_built, config, _meta())
+            share.update(stages=rank.indices, num_stages=rank.num_stages)
+            steps = _Rank0Steps(rank, dims, spec, sizes, precision, trial.sharding == "fsdp",
+                                grad_sync=config.grad_sync)  # fmt: skip
+            return steps.trace(card=card)
+
+    # the run the stages share out, cut a stage at a time; a model with another run of
+    # blocks is traced whole, and so is a stage too shallow for two cut traces to be
+    # quicker than one whole
+    runs = {} if whole else repeated_blocks(module)
+    split = {name: per_stage for name, n in runs.items() if n == per_stage * dims.num_stages}
+    peaks = None
+    if len(split) == 1 and len(runs) == 1 and per_stage > 2 * (BASE_DEPTH + 1):
+        try:
+            peaks = scaled_parts(split, trace)
+        except MbtuneError:
+            raise
+        except Exception:  # a forward that does not take its blocks cut: traced whole below
+            peaks = None
+    peaks = peaks or trace({})
+    in_flight = chunks_in_flight(dims, len(sizes))
+    return peaks, RankShare(in_flight=in_flight, traced_micro_batches=traced, **share)
+
+
+class _Rank0Steps:
+    """Rank 0's computations of a step, in its schedule's order, on fake tensors."""
+
+    def __init__(
+        self, rank: RankModel, dims: ParallelDims, spec: Any, sizes: list[int],
+        precision: str, sharded: bool, *, grad_sync: str,
+    ) -> None:  # fmt: skip
+        self.rank, self.spec, self.sizes, self.sharded = rank, spec, sizes, sharded
+        self.pipeline, self.grad_sync = dims.pp > 1, grad_sync
+        self.precision = Precision(precision, "cpu")
+        self.actions = _with_release(rank0_actions(dims, len(sizes)))
+        self.stages = dict(zip(rank.indices, rank.stages, strict=True))
+        self.last = rank.num_stages - 1
+        self.last_release = {  # each stage's last backward: the one that syncs its grads
+            s: max(j for j, (kind, stage, _) in enumerate(self.actions)
+                   if kind == "release" and stage == s)
+            for s in self.stages
+        }  # fmt: skip
+
+    def trace(self, *, card: bool) -> list[dict[str, int]]:
+        import torch
+
+        tools = trackers()
+        # meta tensors go into the fake mode as inputs (they hold nothing either)
+        with tools.fake_mode(allow_non_fake_inputs=True):
+            for stage in self.rank.stages:
+                to_empty_tied(stage, "cpu")
+                stage.train()
+            parameters = self.rank.parameters()
+            optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+            batch = self.spec.make_batch(sum(self.sizes), torch.device("cpu"))
+            self.batches = split_batch(batch, self.sizes)
+            if self.sharded and len(self.rank.stages) == 1:
+                self.tracker = tools.fsdp(self.rank.stages[0], optimizer)
+                self.tracker.track_inputs(tuple(self.batches))
+            else:
+                self.tracker = tools.plain()
+                self.tracker.track_external(*self.rank.stages, optimizer,
+                                            *batch_tensor_list(self.batches))  # fmt: skip
+            return trace_steps(self.tracker, optimizer, parameters, self.phases, card=card)
+
+    def phases(self) -> list[Callable[[], None]]:
+        """One step's forward and backward passes of rank 0's stages, each a phase of its
+        own (mbtune.trial.tracking.trace_steps), in the schedule's order."""
+        self.held: dict[tuple[int, int], Any] = {}
+        self.sent: dict[int, Any] = {}  # the first stage's outputs: later stages' inputs
+        return [functools.partial(self._run, j) for j in range(len(self.actions))]
+
+    def _run(self, j: int) -> None:
+        kind, s, i = self.actions[j]
+        if kind == "F":
+            self.held[s, i] = self._forward(s, i)
+            return
+        with self._sync(self.stages[s], last=j == self.last_release[s]):
+            out = self.held.pop((s, i))
+            out.backward(None if s == self.last else _like(out))
+
+    def _forward(self, s: int, i: int) -> Any:
+        stage, batch, parts = self.stages[s], self.batches[i], self.rank.parts
+        for module in stage.modules():  # the trackers follow one forward pass per module
+            self.tracker.memory_tracking.pop(module, None)
+        with self.precision.autocast():
+            if s == 0 and s == self.last:  # its own one stage (t > 1 alone): its loss
+                return stage_loss_fn(self.rank, self.spec.loss_fn)(stage, batch)
+            if s == 0:
+                out = stage(*parts.io(batch)[0])
+                self.sent[i] = out.detach()
+            else:  # the receive buffer a later stage's input arrives in
+                out = stage(self.sent[i].clone().requires_grad_())
+            return parts.loss(out, parts.io(batch)[1]) if s == self.last else out
+
+    def _sync(self, stage: Any, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """A backward pass's FSDP2 settings (sharded, or replicated over d > 1 without
+        sharding): a pipeline stage's as torch's PipelineStage sets them (gathered
+        parameters kept, no reduce-scatter or all-reduce, until its last backward of the
+        step); without a pipeline, the sync skipped but in the last with ``grad_sync:
+        last``."""
+        if not hasattr(stage, "set_requires_gradient_sync"):  # no data parallelism
+            return contextlib.nullcontext()
+        if not self.pipeline:
+            return gradient_sync_skipped(stage, skip=self.grad_sync == "last" and not last)
+        stage.set_reshard_after_backward(last)
+        stage.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+
+def _with_release(actions: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """``actions`` (rank0_actions') as the forward passes and, for each chunk, the one
+    action that frees its activations (``release``): its weight half where the schedule
+    splits the backward, else its backward."""
+    weighted = {(s, i) for kind, s, i in actions if kind == "W"}
+    out = []
+    for kind, s, i in actions:
+        if kind == "F":
+            out.append((kind, s, i))
+        elif kind == "W" or (kind in "BI" and (s, i) not in weighted):
+            out.append(("release", s, i))
+    return out
+
+
+def _like(output: Any) -> Any:
+    """The gradient a later stage sends back for ``output``: a tensor of its shape."""
+    import torch
+
+    return torch.ones_like(output)
+
+
+def _meta() -> Any:
+    import torch
+
+    return torch.device("meta")

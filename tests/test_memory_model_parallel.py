@@ -1,0 +1,154 @@
+"""Memory before measuring where a configuration splits the model (mbtune.trial.predict_stage):
+the activations in flight by schedule, rank 0's shard by part, the stages' blocks counted
+from a few as the whole trace counts them, and the search's screen over layouts."""
+
+import json
+
+import pytest
+import yaml
+
+from mbtune.cli import main
+from mbtune.config.load import parse_experiment
+from mbtune.lattice import BatchConfig
+from mbtune.trial.parallelize import ParallelDims, build_rank_model
+from mbtune.trial.predict import predict_memory
+from mbtune.trial.predict_stage import chunks_in_flight, traced_micro_batches
+from mbtune.trial.screen import predicted_oom, screen
+from mbtune.trial.sharding import fake_process_group
+from mbtune.trial.step import build_spec
+
+TINY_GPT = {"name": "gpt", "n_layer": 4, "n_head": 2, "d_model": 32, "seq_len": 16,
+            "vocab_size": 64}  # fmt: skip
+
+
+def raw(model: dict = TINY_GPT, *, t: int = 1, p: int = 1, n: int = 2, schedule="1f1b",
+        b: int = 16, m: int = 2, **trial) -> dict:  # fmt: skip
+    return {
+        "name": "memory-mp",
+        "model": model,
+        "train_input": dict(
+            batch_size=b, micro_batch_size=m, num_devices=n, tensor_parallel=t, pipeline_parallel=p
+        ),
+        "trial": dict(
+            device="cpu", precision="fp32", compile=False, pipeline_schedule=schedule, **trial
+        ),
+    }
+
+
+def config_of(exp) -> BatchConfig:
+    t = exp.train_input
+    return BatchConfig(t.batch_size, t.num_devices, t.micro_batch_size,
+                       tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
+                       pipeline_schedule=exp.trial.pipeline_schedule)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "g", "chunks"),
+    [
+        ("gpipe", 2, 8, 8),  # every forward first
+        ("gpipe", 4, 16, 16),
+        ("1f1b", 2, 8, 2),  # min(g, p)
+        ("1f1b", 4, 16, 4),
+        ("interleaved_1f1b", 2, 8, 5),  # 3p - 1 chunks of half the rank's layers
+        ("interleaved_1f1b", 4, 16, 11),
+        ("zbv", 2, 8, 4),  # 2p: the weight halves keep theirs
+        ("zbv", 4, 16, 8),
+        ("dualpipev", 2, 8, 5),  # 2p + 1
+    ],
+)
+def test_the_chunks_in_flight_are_the_schedules(schedule, p, g, chunks):
+    assert chunks_in_flight(ParallelDims(1, p, 1, schedule), g) == chunks
+
+
+def test_a_step_is_traced_with_the_fewest_micro_batches_that_hold_as_many():
+    def traced(g: int, **layout) -> int:
+        c = BatchConfig(16 * g, 2 * layout.get("pipeline_parallel", 1), 16, **layout)
+        return traced_micro_batches(c, g)
+
+    assert traced(16, pipeline_parallel=2) == 3  # 2 in flight, and one more
+    assert traced(2, pipeline_parallel=2) == 2  # no more than the step has
+    assert traced(8, pipeline_parallel=2, pipeline_schedule="gpipe") == 8  # all in flight
+    # 5 in flight, and g' a multiple of p: 6
+    assert traced(16, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b") == 6
+    assert traced(16, tensor_parallel=2) == 2  # one at a time: the first and one more
+
+
+def rank0_parameter_bytes(exp, config) -> int:
+    """Rank 0's parameters as the real split makes them (mbtune.trial.parallelize)."""
+    import torch
+
+    dims = ParallelDims.of(config)
+    spec = build_spec(exp, config, meta=True)
+    with fake_process_group(config.num_devices, who="the test"):
+        rank = build_rank_model(spec.module, dims, dims.mesh("cpu"), exp.trial, config,
+                                torch.device("meta"))  # fmt: skip
+    return rank.grad_bytes
+
+
+@pytest.mark.parametrize("layout", [{"t": 2}, {"p": 2}])
+def test_mbtune_memory_gives_rank_0s_shard_and_stages(tmp_path, capsys, layout):
+    path = tmp_path / "e.yaml"
+    path.write_text(yaml.safe_dump(raw(**layout)))
+    assert main(["memory", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    exp = parse_experiment(raw(**layout))
+    shard = rank0_parameter_bytes(exp, config_of(exp))
+    whole = 4 * got["num_parameters"]
+    parts = got["parts"]
+    # its own share of the weights, their gradients and AdamW's two moments (and steps)
+    assert parts["parameters_bytes"] == parts["gradients_bytes"] == shard < whole * 0.8
+    assert 2 * shard <= parts["optimizer_state_bytes"] <= 2 * shard + 8 * 64
+    assert got["peak_memory_bytes"] == sum(parts.values())
+    assert (got["tensor_parallel"], got["pipeline_parallel"]) == (
+        layout.get("t", 1), layout.get("p", 1))  # fmt: skip
+    rank0 = got["rank0"]
+    assert rank0["stages"] == [0] and rank0["num_stages"] == layout.get("p", 1)
+    assert rank0["in_flight"] == (2 if "p" in layout else 1)
+
+
+def test_the_schedule_sets_the_activations_rank_0_holds(tmp_path):
+    """gpipe holds all 8 micro-batches' activations, 1f1b two: the same weights."""
+    exps = [parse_experiment(raw(p=2, schedule=s)) for s in ("gpipe", "1f1b")]
+    gpipe, one = (predict_memory(exp, config_of(exp)) for exp in exps)
+    assert (gpipe.share.in_flight, one.share.in_flight) == (8, 2)
+    assert gpipe.parameters_bytes == one.parameters_bytes
+    assert gpipe.optimizer_state_bytes == one.optimizer_state_bytes
+    assert gpipe.activations_bytes > 2 * one.activations_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"p": 2}, {"p": 2, "schedule": "interleaved_1f1b"}])
+def test_a_deep_stage_counted_from_a_few_blocks_is_its_whole_trace(layout):
+    """36 blocks: 18 a stage (9 interleaved), traced with 3 and 4 and counted to it."""
+    exp = parse_experiment(raw({**TINY_GPT, "n_layer": 36}, **layout))
+    config = config_of(exp)
+    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
+    assert cut.as_dict() == whole.as_dict()
+
+
+@pytest.mark.slow
+def test_the_screen_finds_every_layout_over_the_budget_and_no_other(tmp_path):
+    """Each (n, layout)'s configurations on their own scale: the screen's verdicts are those
+    of predicting every configuration."""
+    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}  # the logits grow with m
+    sizes = {"b": 16, "m": 1, "n": 2}
+    space = {"search": {"space": {"micro_batch_size": [1, 4, 16], "tensor_parallel": [1, 2],
+                                  "pipeline_parallel": [1, 2]}}}  # fmt: skip
+    free = parse_experiment({**raw(model, **sizes), **space})
+    configs = free.configs()
+    assert {c.layout[:2] for c in configs} == {(1, 1), (2, 1), (1, 2)}
+    peaks = {c: predict_memory(free, c).peak_memory_bytes for c in configs}
+    split = [peaks[c] for c in configs if c.layout[:2] != (1, 1)]
+    budget = (min(split) + max(split)) // 2  # some of the split configurations over, some not
+    exp = parse_experiment({**raw(model, **sizes, device_memory=budget, memory_headroom=0.0),
+                            **space})  # fmt: skip
+    screening = screen(exp, configs)
+    assert screening.failed is None
+    over = {c for c, _ in screening.over}
+    assert over == {c for c in configs if peaks[c] > budget}
+    assert any(c.layout[:2] != (1, 1) for c in over)
+    assert over != set(configs)
+    # one configuration's own verdict, as a search records it without a trial
+    c = max(over, key=lambda c: peaks[c])
+    verdict = predicted_oom(exp, c)
+    assert verdict is not None and verdict[0] == "oom" and verdict[1].startswith("predicted:")
