@@ -101,10 +101,6 @@ class Measurement:
     shape: ModelShape | None = None
     """The model's layers and block width (mbtune.models.shape), from which a simulated
     trial models its tensor-parallel and pipeline traffic."""
-    whole_model: bool = True
-    """The one process ran the whole model: a device of a tensor- or pipeline-parallel
-    configuration does 1 / (t x p) of its compute (modelled); False: it ran one device's
-    stage and shard."""
     peak_memory_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     """CUDA: the caching allocator's peak reservation."""

@@ -56,7 +56,7 @@ def measure_stage(
     if device.type == "cpu":
         memory.fixed_mmap_threshold()  # as a rank: the peak is what its stages held
     phase("building", 0, 0)
-    started = started_measurement(exp, config, device, precision.name, whole_model=False)
+    started = started_measurement(exp, config, device, precision.name)
     with fake_process_group(config.num_devices, who="a simulated model-parallel trial"):
         mesh = dims.mesh(device.type)
         spec = build_spec(exp, config)  # whole and seeded on the CPU: the stages copy it

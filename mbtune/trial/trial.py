@@ -274,17 +274,15 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
     )
     if not measured.step_s:
         return base
-    share, bubble_share, steps = 1, 0.0, list(measured.step_s)
-    if measured.comm_s is None:
-        share = config.tensor_parallel * config.pipeline_parallel if measured.whole_model else 1
-        comm = _modelled_comm_s(exp, measured, share)
-        # a pipeline of p stages: each stage does 1/p of the work of every micro-batch, and
-        # the fill/drain slots idle: bubble = (p - 1) / g of the ideal time (1f1b; by
+    bubble_share, steps = 0.0, list(measured.step_s)
+    if measured.comm_s is None:  # one device's steps (its stage and shard): the rest modelled
+        comm = _modelled_comm_s(exp, measured)
+        # the pipeline's fill and drain idle: (p - 1) / g of the ideal time for 1f1b (by
         # schedule: lattice.bubble_fraction)
         bubble_share = lattice.bubble_fraction(
             config.pipeline_parallel, config.grad_accum_steps, config.pipeline_schedule
         )
-        steps = [c / share * (1 + bubble_share) + comm for c in steps]
+        steps = [c * (1 + bubble_share) + comm for c in steps]
     else:
         comm = statistics.median(measured.comm_s) if measured.comm_s else 0.0
     compute = statistics.median(measured.compute_s) if measured.compute_s else None
@@ -303,25 +301,25 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
         peak_reserved_bytes=measured.peak_reserved_bytes,
         alloc_retries=measured.alloc_retries,
         tokens_per_s=result.samples_per_s * tokens if tokens else None,
-        compute_time_ms=compute / share * 1e3 if compute is not None else None,
+        compute_time_ms=compute * 1e3 if compute is not None else None,
         comm_time_ms=comm * 1e3,
-        bubble_time_ms=compute / share * bubble_share * 1e3 if compute is not None else 0.0,
+        bubble_time_ms=compute * bubble_share * 1e3 if compute is not None else 0.0,
         compile_s=max(0.0, measured.first_s - compute) if compiled else None,
         compile_fallback=measured.compile_fallback,
         eval_samples_per_s=config.batch_size / measured.eval_s if measured.eval_s else None,
     )
 
 
-def _modelled_comm_s(exp: Experiment, measured: Measurement, share: int) -> float:
+def _modelled_comm_s(exp: Experiment, measured: Measurement) -> float:
     """The collectives of one device's step where one process stood for every device
-    (mbtune.comm): the data-parallel sync of its stage's and shard's gradients (sharded:
-    FSDP2's, unit by unit), and with model parallelism the tensor-parallel all-reduces and
-    the pipeline's sends of its blocks' activations."""
+    (mbtune.comm): the data-parallel sync of its gradients (its stage's and shard's with
+    model parallelism; sharded: FSDP2's, unit by unit), and with model parallelism the
+    tensor-parallel all-reduces and the pipeline's sends of its blocks' activations."""
     config, shape = measured.config, measured.shape
-    units = tuple((a // share, b // share) for a, b in measured.fsdp_units)
-    traffic = step_traffic(config, grad_bytes=measured.grad_bytes // share,
+    units = tuple(measured.fsdp_units)
+    traffic = step_traffic(config, grad_bytes=measured.grad_bytes,
                            sharding="fsdp" if units else "none", units=units)  # fmt: skip
-    if share > 1 or not measured.whole_model:
+    if config.tensor_parallel * config.pipeline_parallel > 1:
         if shape is None or shape.hidden is None or shape.layers is None:
             raise MbtuneError(
                 "trial.parallel: simulate models a split model's traffic from its block width "
