@@ -307,29 +307,33 @@ def test_two_ranks_give_one_processs_loss_with_tensor_parallel_and_every_schedul
     assert not wrong, "\n".join(wrong)
 
 
-REPLICATED = [
-    ("none", {"pipeline_parallel": 2}),  # FSDP2's replicate on each stage: DDP would fail
+FOUR_RANKS = [
+    ("none", {"pipeline_parallel": 2}),  # d = 2: FSDP2's replicate per stage (DDP would fail)
     ("none", {"tensor_parallel": 2}),
     ("fsdp", {"pipeline_parallel": 2}),
+    ("none", {"pipeline_parallel": 4}),  # the tied head 3 stages from its embedding
+    ("none", {"tensor_parallel": 2, "pipeline_parallel": 2}),
 ]
-"""(trial.sharding, layout) on 4 ranks: d = 2 replicas of B = 8, m = 2 (g = 2 each)."""
+"""(trial.sharding, layout) on 4 ranks, B = 8, m = 2."""
 
 
 @pytest.mark.slow
-def test_two_replicas_of_a_split_model_give_one_processs_loss_replicated_or_sharded(tmp_path):
-    """4 ranks, d = 2: each replica's half of the global batch, its gradients all-reduced
+def test_four_ranks_give_one_processs_loss_with_replicas_and_deeper_pipelines(tmp_path):
+    """4 ranks. d = 2: each replica's half of the global batch, its gradients all-reduced
     (replicate) or reduce-scattered (fsdp) over dp after the pipeline's or the shard's
-    backward passes; after two optimizer steps the loss is the one process's."""
+    backward passes. p = 4: the tied embedding's and head's gradients summed over a group
+    of the first and the last rank. t 2 x p 2. After two optimizer steps the loss is the
+    one process's."""
     from mbtune.trial.collectives import OneProcess
     from mbtune.trial.measure import measure
 
-    cases = [(GPT, sharding, BatchConfig(8, 4, 2, **layout)) for sharding, layout in REPLICATED]
+    cases = [(GPT, sharding, BatchConfig(8, 4, 2, **layout)) for sharding, layout in FOUR_RANKS]
     found = _spawn(tmp_path, 4, cases)
     exp = _experiment(GPT, parallel="simulate", num_devices=1)
     expected = measure(exp, BatchConfig(8, 1, 2), CPU, OneProcess()).loss
     wrong = [
         f"{case}: {got} against {expected}"
-        for case, got in zip(REPLICATED, found, strict=True)
+        for case, got in zip(FOUR_RANKS, found, strict=True)
         if got["status"] != "ok" or got["loss"] != pytest.approx(expected, rel=1e-4)
     ]
     assert not wrong, "\n".join(wrong)
