@@ -931,3 +931,15 @@ def test_a_noisy_split_run_s_intervals_hold_what_it_measured(tmp_path):
     assert sum(inside) >= 0.9 * len(rows), f"{sum(inside)} of {len(rows)}"
     for r in rows:
         assert r.samples_per_s.value == pytest.approx(measured[r.config.canonical()], rel=0.12)
+
+
+def test_a_run_of_split_layouts_alone_rests_on_the_link_prior_and_says_why(tmp_path):
+    rows = [layout_row(c, "replay") for c in layout_configs() if c.layout[:2] == (2, 1)]
+    exp = experiment({"samples": 1e9, "num_devices": [8, 64]}, devices=(2, 4, 8),
+                     parallel="simulate")  # fmt: skip
+    exp["search"]["space"].update(tensor_parallel=[2])
+    plan = plan_run(make_run(tmp_path, rows, experiment=exp), grad_bytes=GRAD_BYTES,
+                    shape=SHAPE, draws=50)  # fmt: skip
+    assert "the link rests on the prior alone" in plan.link_basis
+    assert "no layout without tensor or pipeline parallelism" in plan.link_basis
+    assert {r.config.layout[:2] for r in plan.rows} == {(2, 1)}
