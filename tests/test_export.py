@@ -895,6 +895,17 @@ def test_torchtitan_exports_the_layout_and_schedule(schedule):
     assert not [n for n in export.notes if n.startswith("pipeline_schedule")]  # as measured
 
 
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_schedule_names_are_the_schedules_mbtune_runs(schedule):
+    """torchtitan builds its schedule with torch's get_schedule_class(name): each name
+    exported gives the class a real mbtune trial runs for the schedule."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from mbtune.trial.parallelize import SCHEDULES
+
+    assert get_schedule_class(TORCHTITAN_SCHEDULES[schedule]).__name__ == SCHEDULES[schedule]
+
+
 def test_torchtitan_without_a_pipeline_accumulates_micro_batches():
     values, _ = cli_args(export_config("torchtitan", split_config(2, 1)).text)
     assert values["--training.local_batch_size"] == "4"  # 64 / (4 x 2): 8 accumulation steps
@@ -928,9 +939,7 @@ def test_torchtitan_reads_the_command_line(monkeypatch, t, p, schedule, sharding
     # the trainer's arithmetic: accumulation steps, and the pipeline's micro-batches
     steps = training.global_batch_size // (training.local_batch_size * 2)
     if p > 1:
-        assert parallelism.pipeline_parallel_schedule.lower() == schedule.replace("_", "") or (
-            TORCHTITAN_SCHEDULES[schedule] == parallelism.pipeline_parallel_schedule
-        )
+        assert parallelism.pipeline_parallel_schedule == TORCHTITAN_SCHEDULES[schedule]
         micro = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
         assert (steps, micro) == (1, config.grad_accum_steps)
     else:
