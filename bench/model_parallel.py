@@ -287,7 +287,7 @@ def calibrate(
         elif stop and stop["score"] >= TARGET:
             stops.append({**stop, "landscape": name})
         if stop and not stop["right"]:
-            seen = describe(seed) if landscape is megatron_landscape else "measured"
+            seen = describe(seed) if name == "megatron" else name
             print(f"  seed {seed}: stopped {100 * stop['shortfall']:.1f}% short at score "
                   f"{stop['score']} after {stop['trials']} trials ({seen})")  # fmt: skip
     r = {"size": len(landscape(seeds[0])), "seeds": len(seeds),
