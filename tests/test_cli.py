@@ -341,7 +341,7 @@ def test_analyze_compares_two_runs(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("framework", ["accelerate", "cerebras", "composer", "deepspeed", "hf",
-                                       "lightning", "megatron", "torchtitan"])  # fmt: skip
+                                       "lightning", "megatron", "nemo", "torchtitan"])  # fmt: skip
 def test_analyze_exports_the_recommendation(capsys, tmp_path, framework):
     from rundirs import finished_run
     from test_export import READ_BACK  # each framework's snippet read back, its rule checked
@@ -405,7 +405,7 @@ def _bad_analyze_cases():
         "unknown framework": (lambda tmp: [finished_run(tmp), "--export", "keras"],
                               r"--export: unknown framework 'keras'; valid: accelerate, "
                               r"cerebras, composer, deepspeed, hf, lightning, megatron, "
-                              r"torchtitan"),
+                              r"nemo, torchtitan"),
         "export of two runs": (lambda tmp: [finished_run(tmp), finished_run(tmp, name="b"),
                                             "--export", "hf"], r"--export: give one run"),
         "compare with an empty run": (lambda tmp: [finished_run(tmp), header_only(tmp)],

@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--export",
         metavar="FRAMEWORK",
         help="print the recommended configuration for accelerate, cerebras, composer, "
-        "deepspeed, hf, lightning, megatron or torchtitan, and write it to "
+        "deepspeed, hf, lightning, megatron, nemo or torchtitan, and write it to "
         "RUN_DIR/export-FRAMEWORK.*",
     )
     analyze.add_argument("--no-plots", action="store_true", help="write no PNG plots")
