@@ -1,5 +1,6 @@
 """The experiment config: every key parsed, every bad input a one-line ConfigError."""
 
+import contextlib
 import dataclasses
 import pickle
 from pathlib import Path
@@ -715,6 +716,27 @@ def test_trial_flags_may_split_unevenly_where_the_experiment_explores():
     exp = make(train_input={"batch_size": 30, "micro_batch_size": "explore"})
     assert trial_config(exp, None, 4, 3) == BatchConfig(30, 4, 3)
     assert trial_config(exp, None, 4, None) == BatchConfig(30, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "micro"), [("gpipe", 16), ("1f1b", 8), ("dualpipev", 4), ("interleaved_1f1b", 8)]
+)
+def test_without_a_micro_batch_size_a_pipeline_trial_runs_the_largest_its_schedule_takes(
+    schedule, micro
+):
+    """B 32 over n 4 of p 2: 2 replicas of 16; gpipe runs 1 micro-batch, 1f1b needs 2,
+    dualpipev 4, interleaved_1f1b a multiple of 2."""
+    from mbtune.cli import trial_config
+
+    exp = make(train_input={"batch_size": 32, "num_devices": 4, "pipeline_parallel": 2},
+               trial={"pipeline_schedule": schedule})  # fmt: skip
+    assert trial_config(exp, None, None, None) == BatchConfig(
+        32, 4, micro, pipeline_parallel=2, pipeline_schedule=schedule
+    )
+    with pytest.raises(ConfigError, match=r"^--micro-batch-size: ") if micro < 16 else (
+        contextlib.nullcontext()
+    ):  # fmt: skip
+        trial_config(exp, None, None, 16)  # m = P: one micro-batch
 
 
 # -- the values of a space that leave nothing: named, with why -------------------
