@@ -55,7 +55,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.stats import norm
 from threadpoolctl import threadpool_limits
 
 from mbtune.config.search import SearchConfig
@@ -216,11 +215,11 @@ def assess(
     unbounded = _unmeasured_values(
         candidates, [o.config for o in observations if o.status != "oom"]
     )
-    # measured rivals one by one too: their doubts summed bound the chance that one beats
-    # the leader, without the correlation the smooth prior lends two measured neighbours
-    one_by_one = 1 - rivals_doubt(gp, z[measured], offset[measured],
-                                  measured.index(best_measured), margin)  # fmt: skip
-    probability = min(probability, max(0.0, one_by_one - unmeasured_threat))
+    # the measured rivals read apart from the leader too: without the correlation the
+    # smooth prior lends two measured neighbours
+    rivals = [j for j, i in enumerate(keep) if i in fitted and i != best_measured]
+    apart = within_draws(shuffled(draws, rivals, seed), margin)[:, r]
+    probability = min(probability, float(apart.mean()))
     held_open = (1 - OPEN_CHANCE) ** sum(map(len, unbounded.values()))
     probability *= held_open
     unmeasured_threat = max(unmeasured_threat, 1 - held_open)
@@ -257,27 +256,21 @@ def assess(
     )
 
 
-def rivals_doubt(
-    gp: Mixture, z: np.ndarray, offset: np.ndarray, leader: int, margin: float
-) -> float:
-    """The sum over the measured configurations ``z`` (``leader`` among them) of each
-    one's chance of beating the leader by more than the tolerance (``margin``: the log of
-    1 - tolerance), each read from its own and the leader's marginal posterior, as if
-    independent: a union bound on the chance that one of them does, which accounts for
-    every rival at once and lends two measured configurations no correlation from the
-    model's smoothness. The joint draws correlate neighbours through the smooth prior,
-    which narrows the difference between two measured ones beyond what their looks show:
-    a landscape with a step between neighbours (the best 4% and 6% ahead of the two beside
-    it) broke that, and the joint draws gave a rival measured twice 3.4% where the two
-    configurations' own posteriors give 8.7% (bench/close_calls.py --landscape rivals;
+def shuffled(draws: np.ndarray, columns: Sequence[int], seed: int) -> np.ndarray:
+    """``draws`` with each of ``columns`` shuffled over the draws (rows) on its own: each
+    keeps its marginal posterior and loses its correlation with every other column. The
+    measured rivals so shuffled are read apart from the leader: the joint draws correlate
+    neighbouring configurations through the smooth prior, which narrows the difference
+    between two measured ones beyond what their looks show; where the landscape has a
+    step between neighbours (the best 4% and 6% ahead of the two beside it) a rival
+    measured twice kept 3.4% of beating the leader in the joint draws where the two
+    posteriors apart give 8.7% (bench/close_calls.py --landscape rivals;
     docs/confidence.md)."""
-    mean, sd = gp.marginals(z)
-    mean = mean + offset
-    gap = mean - mean[leader] + margin  # above 0: beats the leader by more than the tolerance
-    spread = np.sqrt(sd**2 + sd[leader] ** 2)
-    doubt = norm.sf(-gap / np.maximum(spread, 1e-12))
-    doubt[leader] = 0.0
-    return float(doubt.sum())
+    rng = np.random.default_rng(seed)
+    out = draws.copy()
+    for j in columns:
+        out[:, j] = rng.permutation(out[:, j])
+    return out
 
 
 def within_draws(draws: np.ndarray, margin: float) -> np.ndarray:
