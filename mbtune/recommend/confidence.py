@@ -24,7 +24,10 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
 4. **The score.** Joint samples of the true objective of every feasible configuration,
    measured or not, are drawn from the posterior. The recommendation is the measured
    configuration with the highest posterior mean; the score is the fraction of samples
-   in which it is within ``tolerance`` of the sample's best, in percent, capped at 99.
+   in which it is within ``tolerance`` of the sample's best, in percent, capped at 99;
+   read a second time with the measured rivals' samples shuffled apart from the
+   recommendation's (:func:`shuffled`: no correlation lent by the smooth prior between two
+   measured configurations), the score is the smaller of the two readings.
    Each other configuration's *threat* is the fraction in which it beats the
    recommendation by more than ``tolerance``, and the unmeasured configurations' threat
    the fraction in which any of them does: what the search weighs when it chooses
