@@ -10,7 +10,7 @@ import yaml
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.trial.parallelize import ParallelDims, build_rank_model
+from mbtune.trial.parallelize import ParallelDims, build_rank_model, model_parts
 from mbtune.trial.predict import predict_memory
 from mbtune.trial.predict_stage import chunks_in_flight, traced_micro_batches
 from mbtune.trial.screen import predicted_oom, screen
@@ -60,6 +60,16 @@ def test_the_chunks_in_flight_are_the_schedules(schedule, p, g, chunks):
     assert chunks_in_flight(ParallelDims(1, p, 1, schedule), g) == chunks
 
 
+def test_the_last_pipeline_rank_holds_its_own_chunks_in_flight():
+    """1f1b's last stage runs each backward right after its forward; the V schedules'
+    last rank holds the middle of the V (stages p - 1 and p) and more than rank 0."""
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "1f1b"), 8, pp_rank=1) == 1
+    assert chunks_in_flight(ParallelDims(1, 4, 1, "1f1b"), 16, pp_rank=3) == 1
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "gpipe"), 8, pp_rank=1) == 8
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "interleaved_1f1b"), 8, pp_rank=1) == 3
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "dualpipev"), 8, pp_rank=1) == 7
+
+
 def test_a_step_is_traced_with_the_fewest_micro_batches_that_hold_as_many():
     def traced(g: int, **layout) -> int:
         c = BatchConfig(16 * g, 2 * layout.get("pipeline_parallel", 1), 16, **layout)
@@ -73,12 +83,19 @@ def test_a_step_is_traced_with_the_fewest_micro_batches_that_hold_as_many():
     assert traced(16, tensor_parallel=2) == 2  # one at a time: the first and one more
 
 
-def rank0_parameter_bytes(exp, config) -> int:
-    """Rank 0's parameters as the real split makes them (mbtune.trial.parallelize)."""
+def stage_parameter_bytes(exp, config, stage: int) -> int:
+    """Stage ``stage``'s parameters as the model splits (its ParallelParts), tensor
+    parallelism's shard of each as the real build makes it (mbtune.trial.parallelize)."""
     import torch
 
     dims = ParallelDims.of(config)
     spec = build_spec(exp, config, meta=True)
+    if dims.tp == 1:
+        parts = model_parts(spec.module, dims)
+        per, last = parts.num_blocks // dims.num_stages, dims.num_stages - 1
+        built = parts.make_stage(stage * per, (stage + 1) * per, first=stage == 0,
+                                 last=stage == last)  # fmt: skip
+        return 4 * sum(p.numel() for p in built.parameters())
     with fake_process_group(config.num_devices, who="the test"):
         rank = build_rank_model(spec.module, dims, dims.mesh("cpu"), exp.trial, config,
                                 torch.device("meta"))  # fmt: skip
@@ -86,33 +103,48 @@ def rank0_parameter_bytes(exp, config) -> int:
 
 
 @pytest.mark.parametrize("layout", [{"t": 2}, {"p": 2}])
-def test_mbtune_memory_gives_rank_0s_shard_and_stages(tmp_path, capsys, layout):
+def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(tmp_path, capsys, layout):
     path = tmp_path / "e.yaml"
     path.write_text(yaml.safe_dump(raw(**layout)))
     assert main(["memory", str(path), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     exp = parse_experiment(raw(**layout))
-    shard = rank0_parameter_bytes(exp, config_of(exp))
-    whole = 4 * got["num_parameters"]
+    rank = got["rank"]
+    assert rank["num_stages"] == layout.get("p", 1)
+    assert rank["stages"] == [rank["pipeline_rank"]]  # 1f1b: a stage a rank
+    assert rank["in_flight"] == (2 if rank["pipeline_rank"] == 0 and "p" in layout else 1)
+    shard = stage_parameter_bytes(exp, config_of(exp), rank["pipeline_rank"])
     parts = got["parts"]
     # its own share of the weights, their gradients and AdamW's two moments (and steps)
-    assert parts["parameters_bytes"] == parts["gradients_bytes"] == shard < whole * 0.8
+    assert parts["parameters_bytes"] == parts["gradients_bytes"] == shard
+    assert shard < 4 * got["num_parameters"] * 0.8
     assert 2 * shard <= parts["optimizer_state_bytes"] <= 2 * shard + 8 * 64
     assert got["peak_memory_bytes"] == sum(parts.values())
     assert (got["tensor_parallel"], got["pipeline_parallel"]) == (
-        layout.get("t", 1), layout.get("p", 1))  # fmt: skip
-    rank0 = got["rank0"]
-    assert rank0["stages"] == [0] and rank0["num_stages"] == layout.get("p", 1)
-    assert rank0["in_flight"] == (2 if "p" in layout else 1)
+        layout.get("t", 1),
+        layout.get("p", 1),
+    )
 
 
-def test_the_schedule_sets_the_activations_rank_0_holds(tmp_path):
-    """gpipe holds all 8 micro-batches' activations, 1f1b two: the same weights."""
+@pytest.mark.slow
+def test_the_last_stage_is_predicted_where_it_holds_more():
+    """A large vocabulary: the last stage's logits outweigh the first stage's two
+    micro-batches in flight under 1f1b; under gpipe the last holds all of them too."""
+    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}
+    for schedule in ("1f1b", "gpipe"):
+        exp = parse_experiment(raw(model, p=2, schedule=schedule))
+        predicted = predict_memory(exp, config_of(exp))
+        assert predicted.share.pipeline_rank == 1, schedule
+        assert predicted.share.stages == (1,)
+
+
+def test_the_schedule_sets_the_activations_the_busiest_rank_holds():
+    """gpipe holds all 8 micro-batches' activations (its last stage, with the logits, the
+    busiest), 1f1b two on its first stage."""
     exps = [parse_experiment(raw(p=2, schedule=s)) for s in ("gpipe", "1f1b")]
     gpipe, one = (predict_memory(exp, config_of(exp)) for exp in exps)
     assert (gpipe.share.in_flight, one.share.in_flight) == (8, 2)
-    assert gpipe.parameters_bytes == one.parameters_bytes
-    assert gpipe.optimizer_state_bytes == one.optimizer_state_bytes
+    assert (gpipe.share.pipeline_rank, one.share.pipeline_rank) == (1, 0)
     assert gpipe.activations_bytes > 2 * one.activations_bytes
 
 

@@ -155,8 +155,9 @@ class MemoryPrediction:
     """Every part together: the figure a trial's ``peak_memory_bytes`` measures."""
     note: str | None = None
     share: RankShare | None = None
-    """Where the configuration splits the model: rank 0's stages and the activations it
-    holds in flight (mbtune.trial.predict_stage); None where every device holds it whole."""
+    """Where the configuration splits the model: the busiest rank's stages (the first
+    pipeline rank's or the last's) and the activations it holds in flight
+    (mbtune.trial.predict_stage); None where every device holds it whole."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -175,7 +176,7 @@ class MemoryPrediction:
                 "process_baseline_bytes": self.process_baseline_bytes,
             },
             "note": self.note,
-            "rank0": dataclasses.asdict(self.share) if self.share else None,
+            "rank": dataclasses.asdict(self.share) if self.share else None,
         }
 
 
@@ -286,13 +287,14 @@ def prediction_lines(p: MemoryPrediction) -> list[str]:
 
 
 def _share_line(share: RankShare, c: BatchConfig) -> str:
-    """What rank 0 of a split model holds, in words."""
+    """What the busiest rank of a split model holds, in words."""
     held = " and ".join(str(s) for s in share.stages)
     schedule = f" ({c.pipeline_schedule})" if c.pipeline_parallel > 1 else ""
     chunk = "micro-batch" if len(share.stages) == 1 else "stage's micro-batch"
     shard = f", its tensor-parallel shard of 1/{c.tensor_parallel}" * (c.tensor_parallel > 1)
     return (
-        f"rank 0: stage{'s' * (len(share.stages) > 1)} {held} of {share.num_stages}{shard}; "
+        f"pipeline rank {share.pipeline_rank}: stage{'s' * (len(share.stages) > 1)} {held} "
+        f"of {share.num_stages}{shard}; "
         f"activations of up to "
         f"{share.in_flight} {chunk}{'es' * (share.in_flight > 1)} in flight{schedule}"
     )
