@@ -122,6 +122,20 @@ def writes(run):
     ]
 
 
+def test_the_best_table_names_a_layout_where_one_splits_the_model():
+    ranking = [
+        {"batch_size": 16, "num_devices": 2, "micro_batch_size": 2, "pipeline_parallel": 2,
+         "pipeline_schedule": "gpipe", "estimated_samples_per_s": 30.0, "measurements": 2},
+        {"batch_size": 16, "num_devices": 2, "micro_batch_size": 4,
+         "estimated_samples_per_s": 29.0},
+    ]  # fmt: skip
+    head, first, second = watch_module._best_table(ranking)[1:]
+    assert head.split() == ["rank", "num_devices", "batch_size", "micro_batch_size", "p",
+                            "schedule", "grad_accum", "est.", "samples/s", "looks"]  # fmt: skip
+    assert first.split() == ["1", "2", "16", "2", "2", "gpipe", "8", "30.0", "2"]
+    assert second.split() == ["2", "2", "16", "4", "1", "1f1b", "2", "29.0", "1"]
+
+
 def test_off_a_terminal_a_plain_update_is_printed_only_when_something_changed(
     tmp_path, monkeypatch
 ):

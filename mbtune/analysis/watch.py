@@ -109,11 +109,14 @@ def _best_table(ranking: Sequence[Mapping[str, Any]]) -> list[str]:
     ranked = [(BatchConfig.from_mapping(e), e) for e in ranking]
     if not ranked:
         return []
-    # a setting of a step only where a configuration has it off its default
+    # a layout's or a step's setting only where a configuration has it off its default
     default = BatchConfig(1, 1, 1)
     configs = [c for c, _ in ranked]
-    shown_settings = [(key, label) for key, label in _SETTING_LABELS
-                      if any(getattr(c, key) != getattr(default, key) for c in configs)]
+    shown_settings = [
+        (key, label)
+        for key, label in _SETTING_LABELS
+        if any(getattr(c, key) != getattr(default, key) for c in configs)
+    ]
     ckpt = "".join(f"  {label:>{len(label)}}" for _, label in shown_settings)
     lines = ["best configurations:",
              f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}"
@@ -133,11 +136,15 @@ def _best_table(ranking: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 _SETTING_LABELS = (
+    ("tensor_parallel", "t"),
+    ("pipeline_parallel", "p"),
+    ("pipeline_schedule", "schedule"),
     ("activation_checkpointing", "ckpt"),
     ("reshard_after_forward", "reshard_after_forward"),
     ("grad_sync", "grad_sync"),
 )
-"""The settings of a step (mbtune.lattice.SETTINGS) as the best table heads them."""
+"""The layout (mbtune.lattice.LAYOUT) and the settings of a step (mbtune.lattice.SETTINGS)
+as the best table heads them."""
 
 
 def _setting_word(key: str, value: object) -> str:
