@@ -184,6 +184,10 @@ def rule_holds(e: export.Export) -> bool:
                   for k in ("devices", "accumulate_grad_batches", "batch_size")}  # fmt: skip
         per_step = number["batch_size"] * number["accumulate_grad_batches"]
         return per_step * number["devices"] == e.config.batch_size
+    if e.framework == "nemo":  # a recipe's fields: the same rule as megatron's arguments
+        m = int(re.search(r"recipe\.data\.micro_batch_size = (\d+)", text)[1])
+        b = int(re.search(r"recipe\.data\.global_batch_size = (\d+)", text)[1])
+        return b % (m * n) == 0
     m = int(re.search(r"--micro-batch-size (\d+)", text)[1])
     b = int(re.search(r"--global-batch-size (\d+)", text)[1])
     return b % (m * n) == 0

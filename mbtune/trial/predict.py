@@ -75,7 +75,7 @@ import dataclasses
 import functools
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
@@ -83,7 +83,6 @@ from mbtune.lattice import BatchConfig
 from mbtune.models.batch import split_batch
 from mbtune.trial.blocks import cut, repeated_blocks, scaled_parts
 from mbtune.trial.precision import Precision
-from mbtune.trial.predict_stage import RankShare, stage_peaks
 from mbtune.trial.sharding import (
     fake_process_group,
     gradient_sync_skipped,
@@ -99,6 +98,9 @@ from mbtune.trial.step import (
     synced_step,
 )
 from mbtune.trial.tracking import batch_tensor_list, to_empty_tied, trace_steps, trackers
+
+if TYPE_CHECKING:  # its module imports the model-parallel trial: torch, never in the driver
+    from mbtune.trial.predict_stage import RankShare
 
 __all__ = [
     "CPU_COMPILE_BYTES",
@@ -200,6 +202,8 @@ def predict_memory(
     card = device == "cuda"
     share = None
     if config.tensor_parallel > 1 or config.pipeline_parallel > 1:  # rank 0's stages
+        from mbtune.trial.predict_stage import stage_peaks  # torch: never in the driver
+
         peaks, share = stage_peaks(spec, config, tr, precision, card=card, whole=whole)
     else:
         peaks = _replica_peaks(spec, config, precision, sharded=sharded, card=card, whole=whole)
@@ -377,6 +381,9 @@ def rss():
 
 import torch
 from mbtune.models.build import build_from_config
+
+if TYPE_CHECKING:
+    from mbtune.trial.predict_stage import RankShare
 
 model = pickle.load(sys.stdin.buffer)
 before = rss()
