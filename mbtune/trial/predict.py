@@ -382,9 +382,6 @@ def rss():
 import torch
 from mbtune.models.build import build_from_config
 
-if TYPE_CHECKING:
-    from mbtune.trial.predict_stage import RankShare
-
 model = pickle.load(sys.stdin.buffer)
 before = rss()
 with torch.device("meta"):
