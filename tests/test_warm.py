@@ -56,14 +56,16 @@ def build(sleep=False):
 """
 
 
-def where_experiment(tmp_path: Path, **options) -> TrialRequest:
+def where_experiment(
+    tmp_path: Path, compile: bool = False, model: str = "where:build", **options
+) -> TrialRequest:
     (tmp_path / "where.py").write_text(WHERE)
     exp = parse_experiment(
         {
             "name": "warm",
-            "model": {"name": "where:build", **options},
+            "model": {"name": model, **options},
             "train_input": {"batch_size": 4, "micro_batch_size": 2},
-            "trial": {"compile": False, "warmup_steps": 1, "measure_steps": 2, "timeout_s": 60},
+            "trial": {"compile": compile, "warmup_steps": 1, "measure_steps": 2, "timeout_s": 60},
         }
     )
     return TrialRequest(experiment=exp, config=BatchConfig(4, 1, 2))
@@ -86,6 +88,24 @@ def test_each_trial_is_a_fresh_child_of_one_warm_parent(tmp_path):
     # trial built is left in the next
     assert [pid for pid, _ in imported] == [first, second]
     assert [count for *_, count in built] == [1, 1]
+
+
+@pytest.mark.slow
+def test_a_compiling_trial_inherits_the_compilers_probes(tmp_path):
+    # the CPU's vector instructions, which inductor probes by building and loading a test
+    # kernel in subprocesses (about 1 s), are known before the fork: the child's cache of
+    # them is full as it builds its model, before it compiles anything
+    (tmp_path / "probed.py").write_text(
+        "from torch._inductor import cpu_vec_isa\n"
+        "from where import build as where\n"
+        "def build():\n"
+        "    with open('probed.txt', 'w') as f:\n"
+        "        f.write(str(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize))\n"
+        "    return where()\n"
+    )
+    request = where_experiment(tmp_path, compile=True, model="probed:build")
+    assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
+    assert (tmp_path / "probed.txt").read_text() == "1"
 
 
 @pytest.mark.slow

@@ -14,7 +14,13 @@ from typing import Any
 
 from mbtune.models.batch import batch_tensors
 
-__all__ = ["FallbackWatch", "compile_model", "fallback_watch", "mark_batch_dynamic"]
+__all__ = [
+    "FallbackWatch",
+    "compile_model",
+    "fallback_watch",
+    "mark_batch_dynamic",
+    "warm_compiler",
+]
 
 
 def compile_model(module: Any, tr: Any) -> Any:
@@ -25,6 +31,18 @@ def compile_model(module: Any, tr: Any) -> Any:
     import torch
 
     return torch.compile(module, mode=tr.compile_mode, dynamic=None if tr.dynamic else False)
+
+
+def warm_compiler() -> None:
+    """What inductor works out once per process before it compiles for the CPU, worked out
+    in a warm parent (mbtune.trial.warm) so that every trial forked from it inherits it:
+    which vector instructions this CPU runs (it builds and loads a test kernel for each in
+    subprocesses: about 1.2 s of a 2 s compile on the quickstart's trials) and the hash of
+    torch's own code that keys its caches. Neither starts a thread or touches a device."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
+    codecache.torch_key()
 
 
 def mark_batch_dynamic(batches: list[Any]) -> None:

@@ -156,7 +156,8 @@ def warm_trials() -> bool:
 
 def preload_modules(exp: Experiment) -> tuple[str, ...]:
     """What a warm parent imports for ``exp``'s trials: the trial's code, torch and what
-    the trial would import next (compiling: dynamo and inductor; sharding: FSDP2; an
+    the trial would import next (compiling: dynamo and inductor, and what inductor
+    probes once per process; sharding: FSDP2; an
     ``hf:`` model: transformers). A user model's module is never among them: its code runs
     in the child only."""
     if exp.trial.backend == "replay":
@@ -164,6 +165,7 @@ def preload_modules(exp: Experiment) -> tuple[str, ...]:
     modules = ["torch", "mbtune.trial.trial", "mbtune.models.build"]
     if exp.trial.compile:
         modules += ["torch._dynamo", "torch._inductor.compile_fx"]
+        modules += ["mbtune.trial.compiling:warm_compiler"]
     if exp.trial.sharding == "fsdp":
         modules += ["torch.distributed.fsdp"]
     if exp.model.name.startswith("hf:"):

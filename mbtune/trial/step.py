@@ -157,4 +157,3 @@ def synced_step(
     with no_sync():
         accumulate_gradients(loss_fn, model, first, total=total)
     accumulate_gradients(loss_fn, model, [last], total=total)
-

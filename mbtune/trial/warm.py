@@ -6,7 +6,8 @@ it), but no longer pays a fresh Python, torch's import and torch.compile's (seco
 before it builds its model. mbtune.trial.launch keeps one warm parent per trial actor,
 ``python -m mbtune.trial --warm FD MODULE...``: it imports the modules named (torch, the
 trial's code, and what this experiment's trials use: dynamo and inductor to compile,
-transformers for an ``hf:`` model), says it is ready on the socket FD, and then, for each
+transformers for an ``hf:`` model; torch.compile's per-process probes, see
+mbtune.trial.compiling.warm_compiler), says it is ready on the socket FD, and then, for each
 request that comes on it, forks a child that runs the trial as ``python -m mbtune.trial``
 would (its stdout, stderr and phase pipe the actor's, its working directory and
 environment the request's) and exits; the parent tells the actor the child's exit status.
@@ -112,11 +113,16 @@ def serve(fd: int, preload: list[str]) -> int:
 
 
 def _preload(modules: list[str]) -> str | None:
-    for name in modules:
+    """Import each of ``modules``; an entry ``MODULE:FUNCTION`` also calls that function
+    (no arguments): work every trial would do once, done here for all of them."""
+    for entry in modules:
+        name, _, function = entry.partition(":")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
+            if function:
+                getattr(module, function)()
         except Exception as e:  # a missing optional library: its trials say so, cold
-            return f"importing {name} failed: {type(e).__name__}: {e}"
+            return f"preloading {entry} failed: {type(e).__name__}: {e}"
     return None
 
 
