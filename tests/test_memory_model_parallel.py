@@ -62,12 +62,15 @@ def test_the_chunks_in_flight_are_the_schedules(schedule, p, g, chunks):
 
 def test_the_last_pipeline_rank_holds_its_own_chunks_in_flight():
     """1f1b's last stage runs each backward right after its forward; the V schedules'
-    last rank holds the middle of the V (stages p - 1 and p) and more than rank 0."""
+    last rank holds the middle of the V (stages p - 1 and p), dualpipev as many as rank 0
+    (DualPipe balances them) once each weight half is paired with its own input half."""
     assert chunks_in_flight(ParallelDims(1, 2, 1, "1f1b"), 8, pp_rank=1) == 1
     assert chunks_in_flight(ParallelDims(1, 4, 1, "1f1b"), 16, pp_rank=3) == 1
     assert chunks_in_flight(ParallelDims(1, 2, 1, "gpipe"), 8, pp_rank=1) == 8
     assert chunks_in_flight(ParallelDims(1, 2, 1, "interleaved_1f1b"), 8, pp_rank=1) == 3
-    assert chunks_in_flight(ParallelDims(1, 2, 1, "dualpipev"), 8, pp_rank=1) == 7
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "zbv"), 8, pp_rank=1) == 4
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "dualpipev"), 8, pp_rank=1) == 5
+    assert chunks_in_flight(ParallelDims(1, 4, 1, "dualpipev"), 16, pp_rank=3) == 9
 
 
 def test_a_step_is_traced_with_the_fewest_micro_batches_that_hold_as_many():

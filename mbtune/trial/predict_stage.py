@@ -13,9 +13,9 @@ device mesh of torch's fake process group (no communication; this process the ra
 predicted, as mbtune.trial.sharding.fake_process_group makes rank 0); then its stages take
 two steps on fake tensors, counted by torch's memory trackers (mbtune.trial.tracking),
 their forward and backward passes in the order torch's own schedule runs them on that rank
-(``torch.distributed.pipelining``'s action list: mbtune.trial.stage.rank0_actions for rank
-0). What a peer would send is stood in for: a stage after the first takes a new tensor of
-the first stage's output's shape (the receive buffer a real stage allocates), and the
+(``torch.distributed.pipelining``'s action list: mbtune.trial.stage.rank_actions). What a
+peer would send is stood in for: a stage after the first takes a new tensor of the first
+stage's output's shape (the receive buffer a real stage allocates), and the
 gradient a later rank would send back is a tensor of the output's shape.
 
 The activations in flight. The schedule's action list says how many: a micro-batch's
@@ -28,7 +28,8 @@ backward in turn); interleaved_1f1b 3p - 1 chunks of its v = 2 stages, each half
 rank's layers: p + (p - 1) / 2 micro-batches of them, Megatron's p + (p - 1) / v; zbv 2p
 chunks (p micro-batches of the rank's layers), dualpipev 2p + 1: the V's warm-up, the
 weight halves still to run. The last rank holds 1 (1f1b), g (gpipe), p + 1
-(interleaved_1f1b), 2p (zbv), 3p + 1 (dualpipev: more than rank 0).
+(interleaved_1f1b), 2p (zbv), 2p + 1 (dualpipev: every rank as many, as DualPipe
+balances them).
 
 Only a few micro-batches are traced: the fewest g' (the largest of the replica's) whose
 schedule holds as many in flight on the rank as g's does, and, where g has more than that,
@@ -63,7 +64,6 @@ from mbtune.lattice import BatchConfig, layout_rule
 from mbtune.models.batch import split_batch
 from mbtune.trial.blocks import BASE_DEPTH, cut, repeated_blocks, scaled_parts
 from mbtune.trial.parallelize import (
-    SCHEDULES,
     ParallelDims,
     RankModel,
     build_rank_model,
@@ -72,11 +72,11 @@ from mbtune.trial.parallelize import (
 from mbtune.trial.pipeline import stage_loss_fn
 from mbtune.trial.precision import Precision
 from mbtune.trial.sharding import fake_process_group, gradient_sync_skipped
-from mbtune.trial.stage import rank0_actions
+from mbtune.trial.stage import rank_actions
 from mbtune.trial.step import rank_micro_batches
 from mbtune.trial.tracking import batch_tensor_list, to_empty_tied, trace_steps, trackers
 
-__all__ = ["RankShare", "chunks_in_flight", "rank_actions", "stage_peaks", "traced_micro_batches"]
+__all__ = ["RankShare", "chunks_in_flight", "stage_peaks", "traced_micro_batches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,47 +93,6 @@ class RankShare:
     schedule (:func:`chunks_in_flight`)."""
     traced_micro_batches: int
     """The micro-batches of a step traced (:func:`traced_micro_batches`)."""
-
-
-def rank_actions(dims: ParallelDims, microbatches: int, pp_rank: int = 0) -> list[Any]:
-    """Pipeline rank ``pp_rank``'s computations of one step, in its schedule's order:
-    (``F``, ``B``, ``I`` or ``W``; stage; micro-batch), from torch's own schedule (rank 0's:
-    mbtune.trial.stage.rank0_actions)."""
-    if pp_rank == 0:
-        return rank0_actions(dims, microbatches)
-    return _in_order(_rank_ops(dims, microbatches, pp_rank))
-
-
-def _in_order(actions: list[Any]) -> list[Any]:
-    """``actions`` with each stage's micro-batches numbered in the order of its forward
-    passes, and each kind of backward in the same order (every schedule runs a stage's
-    backward passes in its forwards' order): torch's visualizer numbers a later rank's
-    forwards from 1 in 1f1b (1F1, 1B0, 1F2, 1B1 for two micro-batches, torch 2.13)."""
-    seen: dict[tuple[str, int], int] = {}
-    numbered = []
-    for kind, stage, _ in actions:
-        n = seen.get((kind, stage), 0)
-        seen[kind, stage] = n + 1
-        numbered.append((kind, stage, n))
-    return numbered
-
-
-def _rank_ops(dims: ParallelDims, microbatches: int, pp_rank: int) -> list[Any]:
-    """torch's schedule's computations for ``pp_rank``, as given."""
-    from torch.distributed import pipelining
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    schedule = getattr(pipelining, SCHEDULES[dims.schedule])
-    pending = list(get_schedule_ops(schedule, dims.pp, microbatches, dims.stages_per_rank)[pp_rank])
-    found = []
-    while pending:  # dualpipev's overlapped pairs are actions of actions
-        action = pending.pop(0)
-        if action is not None and action.sub_actions:
-            pending[:0] = action.sub_actions
-        elif action is not None and action.computation_type.value in "FBIW":
-            found.append((action.computation_type.value, action.stage_index,
-                          action.microbatch_index))  # fmt: skip
-    return found
 
 
 def chunks_in_flight(dims: ParallelDims, microbatches: int, pp_rank: int = 0) -> int:
@@ -354,9 +313,9 @@ class _RankSteps:
 
 
 def _with_release(actions: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """``actions`` (rank0_actions') as the forward passes and, for each chunk, the one
-    action that frees its activations (``release``): its weight half where the schedule
-    splits the backward, else its backward."""
+    """``actions`` (mbtune.trial.stage.rank_actions') as the forward passes and, for each
+    chunk, the one action that frees its activations (``release``): its weight half where
+    the schedule splits the backward, else its backward."""
     weighted = {(s, i) for kind, s, i in actions if kind == "W"}
     out = []
     for kind, s, i in actions:

@@ -40,7 +40,7 @@ from mbtune.trial.precision import for_device
 from mbtune.trial.sharding import fake_process_group, gradient_sync_skipped
 from mbtune.trial.step import build_spec, rank_batch, rank_micro_batches
 
-__all__ = ["measure_stage", "rank0_actions"]
+__all__ = ["measure_stage", "rank0_actions", "rank_actions"]
 
 
 def measure_stage(
@@ -81,29 +81,51 @@ def measure_stage(
             memory.release(torch, device)
 
 
-def rank0_actions(dims: ParallelDims, microbatches: int) -> list[tuple[str, int, int]]:
-    """Rank 0's computations in one step, in the schedule's order: (``F`` forward, ``B``
-    backward, ``I`` its input half, ``W`` its weight half; stage; micro-batch), from torch's
-    own schedule (without a pipeline: each micro-batch's forward, then its backward)."""
+def rank_actions(
+    dims: ParallelDims, microbatches: int, pp_rank: int = 0
+) -> list[tuple[str, int, int]]:
+    """Pipeline rank ``pp_rank``'s computations in one step, in its schedule's order: (``F``
+    forward, ``B`` backward, ``I`` its input half, ``W`` its weight half; stage;
+    micro-batch), from torch's own schedule (without a pipeline: each micro-batch's forward,
+    then its backward). Each stage's micro-batches are numbered in the order of its forward
+    passes, its backward passes (whole, or their input halves) in the same order (every
+    schedule runs a stage's backward passes in its forwards' order), a weight half as its
+    input half: torch's visualizer numbers a later rank's
+    forwards from 1 in 1f1b (1F1, 1B0, 1F2, 1B1 for two micro-batches, torch 2.13)."""
     if dims.pp == 1:
         return [(kind, 0, i) for i in range(microbatches) for kind in "FB"]
     from torch.distributed import pipelining
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     schedule = getattr(pipelining, SCHEDULES[dims.schedule])
-    ops = get_schedule_ops(schedule, dims.pp, microbatches, dims.stages_per_rank)[0]
+    ops = get_schedule_ops(schedule, dims.pp, microbatches, dims.stages_per_rank)[pp_rank]
 
-    def computations(action: Any) -> list[tuple[str, int, int]]:
+    def computations(action: Any) -> list[tuple[str, int]]:
         if action is None:
             return []
         if action.sub_actions:  # dualpipev's forward of one overlapped with a backward
             return [c for sub in action.sub_actions for c in computations(sub)]
         kind = action.computation_type.value
-        if kind not in ("F", "B", "I", "W"):
-            return []
-        return [(kind, action.stage_index, action.microbatch_index)]
+        return [(kind, action.stage_index)] if kind in ("F", "B", "I", "W") else []
 
-    return [c for action in ops for c in computations(action)]
+    counted: dict[tuple[str, int], int] = {}  # (F or B, stage): its computations so far
+    unweighted: dict[int, list[int]] = {}  # a stage's input halves still without weight half
+    numbered = []
+    for kind, stage in (c for action in ops for c in computations(action)):
+        if kind == "W":  # the weight half of the stage's oldest input half without one
+            i = unweighted[stage].pop(0)
+        else:  # a forward, or a backward whole or its input half (dualpipev has both)
+            key = ("F" if kind == "F" else "B", stage)
+            i = counted.get(key, 0)
+            counted[key] = i + 1
+            if kind == "I":
+                unweighted.setdefault(stage, []).append(i)
+        numbered.append((kind, stage, i))
+    return numbered
+
+
+rank0_actions = rank_actions
+"""Rank 0's (``pp_rank`` 0): the name tests/test_model_parallel.py imports."""
 
 
 class _Rank0Step:
@@ -117,7 +139,7 @@ class _Rank0Step:
         self.stages = dict(zip(model.indices, model.stages, strict=True))
         self.batches = split_batch(batch, sizes)
         self.total, self.loss_fn = total, loss_fn
-        self.actions = rank0_actions(dims, len(sizes))
+        self.actions = rank_actions(dims, len(sizes))
         self.last_backward = {  # each stage's last backward: the one that syncs its grads
             stage: max(i for k, s, i in self.actions if s == stage and k in "BI")
             for stage in self.stages
