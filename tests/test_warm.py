@@ -202,3 +202,78 @@ def test_a_trial_and_its_warm_parent_end_with_the_process_that_holds_them(tmp_pa
     while not (gone(parent) and gone(child)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert gone(parent) and gone(child)
+
+
+# The warm parent started ahead by the search's driver (mbtune.trial.launch.WarmAhead).
+
+PARENTS = """
+import os
+from where import build as where
+
+def build():
+    with open('parents.txt', 'a') as f:
+        f.write(open(f'/proc/{os.getppid()}/cmdline').read().replace('\\0', ' ') + '\\n')
+    return where()
+"""
+
+
+@pytest.mark.slow
+def test_a_parent_started_ahead_serves_the_first_actor_that_fits_it(tmp_path, monkeypatch):
+    request = where_experiment(tmp_path)
+    monkeypatch.setattr(launch, "_IDLE", [])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in a one-CPU trial actor
+    ahead = launch.WarmAhead.start(request.experiment, str(tmp_path))
+    try:
+        launch.offer_ahead(ahead.name)
+        for _ in range(2):
+            assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
+        parents = [parent for _, parent, _ in lines(tmp_path / "built.jsonl")]
+        assert parents == [ahead.process.pid] * 2  # taken once, and kept
+        launch.offer_ahead(ahead.name)  # offered again (another trial): not tried again
+        assert launch._AHEAD == []
+    finally:
+        for parent in launch._IDLE:
+            parent.close()
+        ahead.close()
+
+
+@pytest.mark.slow
+def test_an_actor_in_another_environment_starts_its_own_parent(tmp_path, monkeypatch):
+    request = where_experiment(tmp_path)
+    monkeypatch.setattr(launch, "_IDLE", [])
+    ahead = launch.WarmAhead.start(request.experiment, str(tmp_path))
+    try:
+        monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")  # read as inductor loads
+        launch.offer_ahead(ahead.name)
+        assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
+        ((_, parent, _),) = lines(tmp_path / "built.jsonl")
+        assert parent not in (ahead.process.pid, os.getpid())  # one of its own, warm
+        assert ahead.process.wait(timeout=30) == 0  # turned away, it ended
+    finally:
+        for parent in launch._IDLE:
+            parent.close()
+        ahead.close()
+
+
+@pytest.mark.slow
+def test_an_embedded_searchs_first_trial_forks_from_the_parent_started_ahead(tmp_path):
+    where_experiment(tmp_path)  # writes where.py
+    (tmp_path / "parents.py").write_text(PARENTS)
+    (tmp_path / "exp.yaml").write_text(json.dumps({
+        "name": "ahead",
+        "model": {"name": "parents:build"},
+        "train_input": {"batch_size": 4, "micro_batch_size": 2},
+        "search": {"num_samples": 1, "sampler": "grid"},
+        "trial": {"compile": False, "warmup_steps": 1, "measure_steps": 2},
+        "output_dir": str(tmp_path / "runs"),
+    }))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mbtune", "run", "exp.yaml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # the driver builds the model too (its shape, on the meta device): the trial's parent is
+    # the one that runs mbtune.trial
+    built = (tmp_path / "parents.txt").read_text().splitlines()
+    (parent,) = [line for line in built if "-m mbtune.trial " in line]
+    assert " --warm-ahead " in parent  # Ray's and Tune's variables told apart

@@ -50,7 +50,12 @@ from mbtune.search._signals import graceful_stop
 from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import end_reason, one_look_reason, settled
 from mbtune.search._study import STUDY_NAME, SearchStudy, records_of
-from mbtune.trial.launch import measure_in_subprocess, measure_with_ray_train
+from mbtune.trial.launch import (
+    WarmAhead,
+    measure_in_subprocess,
+    measure_with_ray_train,
+    offer_ahead,
+)
 from mbtune.trial.screen import Screening, screen
 from mbtune.trial.trial import TrialRequest
 
@@ -100,11 +105,15 @@ def run_search(
     points = search_points(exp)
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
     screening = screen_beside(exp, points, say, verbose)  # while Ray starts
+    embedded = (address or exp.ray.address) is None and not ray.is_initialized()
+    ahead = WarmAhead.start(exp, os.getcwd()) if embedded else None  # the first trial's
     try:
         cluster = start_ray(exp, address, dashboard, verbose, say)
     except BaseException:
         if screening is not None:
             screening.cancel()
+        if ahead is not None:
+            ahead.close()
         raise
     run = RunDir.create(exp.output_dir, exp.name)
     lock = RunLock.take(run.path, command="mbtune run")  # a --resume of it waits its turn
@@ -129,7 +138,7 @@ def run_search(
         log = TrialLog(kept, say, reporter, target=s.confidence_target, max_repeats=s.max_repeats)
         log.rows.extend(predicted)  # the run's first rows: the reporter assesses them too
         tuner = tune.Tuner(
-            _trainable_for(exp),
+            _trainable_for(exp, ahead.name if ahead is not None else None),
             tune_config=tune.TuneConfig(
                 search_alg=searcher,
                 num_samples=s.num_samples,
@@ -152,6 +161,8 @@ def run_search(
         return _fit(tuner, run, exp, reporter, say, cluster)
     finally:
         lock.release()
+        if ahead is not None:
+            ahead.close()
 
 
 def resume_search(
@@ -406,10 +417,10 @@ def _metrics_for(run: RunDir, exp: Experiment) -> metrics.RunState:
     )  # fmt: skip
 
 
-def _trainable_for(exp: Experiment) -> Any:
+def _trainable_for(exp: Experiment, warm_ahead: str | None = None) -> Any:
     # Tune puts the Experiment itself in Ray's object store (pickled): trials get it typed
     return tune.with_resources(
-        tune.with_parameters(_trainable, experiment=exp, cwd=os.getcwd()),
+        tune.with_parameters(_trainable, experiment=exp, cwd=os.getcwd(), warm_ahead=warm_ahead),
         trial_resources(exp),
     )
 
@@ -465,10 +476,15 @@ def measured(run: RunDir, space: OptunaSpace) -> list[TrialRecord]:
 # one trial, inside a Ray actor
 
 
-def _trainable(config: dict[str, Any], *, experiment: Experiment, cwd: str) -> None:
+def _trainable(
+    config: dict[str, Any], *, experiment: Experiment, cwd: str, warm_ahead: str | None = None
+) -> None:
     """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
     measured, and where, to Tune; the search learns where before the trial measures.
-    ``config["repeat"]``: which measurement of the configuration this is (0: its first)."""
+    ``config["repeat"]``: which measurement of the configuration this is (0: its first).
+    ``warm_ahead``: the warm parent the driver started for the first trial here, if any."""
+    if warm_ahead is not None:
+        offer_ahead(warm_ahead)
     request = TrialRequest(
         experiment=experiment,
         config=BatchConfig.from_mapping(config),

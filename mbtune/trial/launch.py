@@ -31,12 +31,14 @@ from mbtune import progress
 from mbtune.config.experiment import Experiment
 from mbtune.progress import PhaseHook
 from mbtune.trial.trial import TrialRequest, trial_metrics
-from mbtune.trial.warm import Ended, WarmParent
+from mbtune.trial.warm import AHEAD_FLAG, Ended, WarmParent, parent_environment
 
 __all__ = [
     "KILL_GRACE_S",
+    "WarmAhead",
     "measure_in_subprocess",
     "measure_with_ray_train",
+    "offer_ahead",
     "preload_modules",
     "warm_trials",
 ]
@@ -176,12 +178,24 @@ def preload_modules(exp: Experiment) -> tuple[str, ...]:
 _IDLE: list[WarmParent] = []
 _COLD: dict[tuple[str, ...], str] = {}
 """Preloads whose warm parent could not fork trials, and why: their trials run cold."""
+_AHEAD: list[str] = []
+"""The name of a warm parent started ahead for this process's trials, until it is tried."""
+_TRIED: set[str] = set()
 _LOCK = threading.Lock()
 
 
+def offer_ahead(name: str) -> None:
+    """A warm parent was started ahead under ``name`` (:class:`WarmAhead`): the next trial
+    that needs a warm parent here tries it first, once."""
+    with _LOCK:
+        if name not in _TRIED:
+            _TRIED.add(name)
+            _AHEAD.append(name)
+
+
 def _warm_parent(exp: Experiment, cwd: str) -> WarmParent | None:
-    """An idle warm parent for ``exp``'s trials (one is started where none is idle); None
-    where trials here run cold."""
+    """An idle warm parent for ``exp``'s trials (the one started ahead, or one started
+    now, where none is idle); None where trials here run cold."""
     if not warm_trials():
         return None
     preload = preload_modules(exp)
@@ -195,13 +209,63 @@ def _warm_parent(exp: Experiment, cwd: str) -> WarmParent | None:
             return mine[0]
         stale = list(_IDLE)  # another experiment's, or another environment's: ended
         _IDLE.clear()
+        ahead = list(_AHEAD)
+        _AHEAD.clear()
     for p in stale:
         p.close()
+    for name in ahead:
+        parent = WarmParent.adopt(name, preload)
+        if parent is not None:
+            return parent
     parent = WarmParent(preload, cwd=cwd)
     if parent.problem is not None:
         _gone_cold(parent)
         return None
     return parent
+
+
+class WarmAhead:
+    """A warm parent for a search's trials started by its driver, beside Ray's start, so
+    that the first trial's actor finds torch and the trial's code imported (about 4 s of a
+    2-core machine): ``python -m mbtune.trial --warm-ahead NAME``. Its environment is the
+    driver's with the ``OMP_NUM_THREADS`` Ray gives a trial actor; an actor in another
+    environment, or on another host, does not take it, and starts its own as before. It
+    ends with the driver, or at :meth:`close`."""
+
+    def __init__(self, exp: Experiment, cwd: str) -> None:
+        self.name = f"mbtune-warm-{os.getpid()}-{os.urandom(6).hex()}"
+        env = dict(os.environ)
+        # what Ray sets in a worker that holds ray.cpus_per_trial CPUs, unless already set
+        env.setdefault("OMP_NUM_THREADS", str(max(1, int(exp.ray.cpus_per_trial))))
+        # listening from now on (Linux's abstract namespace: nothing on disk), so that an
+        # actor that asks while the parent still imports waits for it; the parent holds it
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + self.name)
+            listener.listen(8)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mbtune.trial", AHEAD_FLAG, str(listener.fileno()),
+                 str(os.getpid()), *preload_modules(exp)],
+                pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
+                env=parent_environment(env),
+            )  # fmt: skip
+        finally:
+            listener.close()
+
+    @classmethod
+    def start(cls, exp: Experiment, cwd: str) -> WarmAhead | None:
+        """One for ``exp``'s trials, where they fork from warm parents in processes of their
+        own (not ddp's workers, nor replayed trials, whose parent imports no torch)."""
+        tr = exp.trial
+        if not warm_trials() or tr.parallel == "ddp" or tr.backend == "replay":
+            return None
+        return cls(exp, cwd)
+
+    def close(self) -> None:
+        """End it (and a trial it forked, which ends with it)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
 
 def _give_back(parent: WarmParent) -> None:

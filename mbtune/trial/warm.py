@@ -47,10 +47,24 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WARM_FLAG", "Ended", "WarmParent", "answer", "fork_problem", "serve"]
+__all__ = [
+    "AHEAD_FLAG",
+    "WARM_FLAG",
+    "Ended",
+    "WarmParent",
+    "answer",
+    "fork_problem",
+    "parent_environment",
+    "serve",
+    "serve_ahead",
+]
 
 WARM_FLAG = "--warm"
 """``python -m mbtune.trial --warm FD MODULE...``: serve trials on socket FD."""
+
+AHEAD_FLAG = "--warm-ahead"
+"""``python -m mbtune.trial --warm-ahead FD PID MODULE...``: serve the first actor that
+connects to the listening socket FD, while process PID (its parent) lives."""
 
 _LENGTH = struct.Struct("!Q")
 _MAX_FDS = 8
@@ -82,8 +96,29 @@ def serve(fd: int, preload: list[str]) -> int:
     """The warm parent's loop: preload, say ready (or why not), then fork a child per
     request until the actor's end of socket ``fd`` closes."""
     sock = socket.socket(fileno=fd)
+    env = dict(os.environ)  # as it started: importing inductor sets its cache's variable
+    return _serve(sock, _preload(preload) or fork_problem(), preload, env)
+
+
+def serve_ahead(fd: int, driver: int, preload: list[str]) -> int:
+    """A warm parent started ahead of its actor by the search's driver (pid ``driver``,
+    beside Ray's start: see mbtune.trial.launch.WarmAhead), listening on the socket ``fd``
+    it was given: it preloads and serves the first actor that connects (see
+    :meth:`WarmParent.adopt`), as :func:`serve` does. It ends with the driver, or once that
+    actor's end of the socket closes."""
+    _end_with_parent(driver)
+    env = dict(os.environ)
+    listener = socket.socket(fileno=fd)
     problem = _preload(preload) or fork_problem()
-    _send(sock, {"problem": problem})
+    sock, _ = listener.accept()
+    listener.close()  # one actor: another one that asks finds no one, and starts its own
+    return _serve(sock, problem, preload, env)
+
+
+def _serve(
+    sock: socket.socket, problem: str | None, preload: list[str], env: dict[str, str]
+) -> int:
+    _send(sock, {"problem": problem, "preload": preload, "env": env})
     if problem:
         return 0
     while True:
@@ -110,6 +145,15 @@ def serve(fd: int, preload: list[str]) -> int:
         if returncode is None:
             return 0  # the actor is gone, and its trial with it
         _send(sock, {"returncode": returncode})
+
+
+def _end_with_parent(parent: int | None = None) -> None:
+    """This process is killed when its parent ends (Linux's ``PR_SET_PDEATHSIG``); with
+    ``parent``, it ends now where that parent has already gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -175,8 +219,7 @@ def _child(message: dict[str, Any], fds: list[int]) -> int:
     trial; the exit code a ``python -m mbtune.trial`` process would have."""
     code = 0
     try:
-        with contextlib.suppress(OSError, AttributeError):  # Linux: end with the parent
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _end_with_parent()
         out, err, *phase = fds
         for f, target in ((out, 1), (err, 2)):
             os.dup2(f, target)
@@ -236,13 +279,12 @@ class WarmParent:
         self.env = dict(os.environ)
         """The environment it started with: libraries read theirs once, as they load."""
         ours, theirs = socket.socketpair()
-        env = {**self.env}
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's pool would start at import
         try:
-            self.process = subprocess.Popen(
+            self.process: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable, "-m", "mbtune.trial", WARM_FLAG, str(theirs.fileno()),
                  *preload],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd, env=env,
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
+                env=parent_environment(self.env),
             )  # fmt: skip
         finally:
             theirs.close()
@@ -253,8 +295,39 @@ class WarmParent:
         except EOFError:
             self.problem = f"the warm parent exited with {self.process.wait()} as it started"
 
+    @classmethod
+    def adopt(cls, name: str, preload: tuple[str, ...]) -> WarmParent | None:
+        """The warm parent started ahead under ``name`` (:func:`serve_ahead`), once it is
+        ready, where it preloaded ``preload`` in this process's environment but for Ray's
+        and Tune's bookkeeping (``RAY_*``, ``TUNE_*``: no library the parent imports reads
+        them); None where it is not on this host, has been taken, could not fork,
+        or differs (it ends as its socket closes)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + name)
+            hello = _receive(sock)[0]
+        except (OSError, EOFError):
+            sock.close()
+            return None
+        env = dict(os.environ)
+        if (
+            hello["problem"]
+            or tuple(hello["preload"]) != preload
+            or _imported_with(hello["env"]) != _imported_with(parent_environment(env))
+        ):
+            sock.close()
+            return None
+        parent = cls.__new__(cls)
+        parent.preload, parent.env, parent.sock = preload, env, sock
+        parent.process, parent.problem = None, None  # not this process's child
+        return parent
+
     def alive(self) -> bool:
-        return self.problem is None and self.process.poll() is None
+        if self.problem is not None:
+            return False
+        if self.process is not None:
+            return self.process.poll() is None
+        return not select.select([self.sock], [], [], 0)[0]  # readable while idle: ended
 
     def run(self, request: bytes, *, cwd: str, fds: list[int], kill_after: float) -> Ended | None:
         """Fork a child for the pickled TrialRequest ``request``, with ``fds`` (its stdout,
@@ -279,6 +352,8 @@ class WarmParent:
             return Ended(None, reason=f"the trial's warm parent ended ({self._ended(e)})")
 
     def _ended(self, e: BaseException) -> str:
+        if self.process is None:
+            return f"{type(e).__name__}: {e}"
         try:
             code = self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -288,8 +363,28 @@ class WarmParent:
     def close(self) -> None:
         """End the warm parent: it exits once its socket closes."""
         self.sock.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+
+
+def parent_environment(env: dict[str, str]) -> dict[str, str]:
+    """The environment a warm parent starts with, for a process whose own is ``env``."""
+    return {"OPENBLAS_NUM_THREADS": "1", **env}  # numpy's pool would start at import
+
+
+def _imported_with(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less what a Ray worker's environment adds for Ray's own bookkeeping."""
+    return {k: v for k, v in env.items() if not k.startswith(_RAYS_OWN) and k not in _BOOKKEEPING}
+
+
+_RAYS_OWN = ("RAY_", "TUNE_")
+_BOOKKEEPING = {"PL_DISABLE_FORK", "PYTHONBREAKPOINT", "SPT_NOENV", "PS1", "PWD", "OLDPWD", "_"}
+"""With ``_RAYS_OWN``: what a Tune trial actor's environment has that its driver's had
+not, or the reverse (Ray 2.60: Ray's and Tune's bookkeeping, Lightning's fork switch, a
+shell's prompt and directories): no library a warm parent imports reads them.
+(OMP_NUM_THREADS, which Ray also sets, is read: the driver starts a parent ahead with the
+value Ray will give its trial actor.)"""
 
 
 # ---------------------------------------------------------------------------
