@@ -149,3 +149,46 @@ def test_the_model_sampler_finds_the_best_layout_and_micro_batch():
     # interleaved 1f1b at m = 4 is 10% ahead of the next; found in under half the lattice
     assert (best.layout, best.micro_batch_size) == ((1, 4, "interleaved_1f1b"), 4)
     assert best in measured and len(measured) <= len(POINTS) // 2
+
+
+def test_the_first_guess_is_the_middle_of_the_layouts_with_the_least_bubble():
+    from mbtune.search._samplers import first_guess
+
+    layouts = [(1, 1, "1f1b"), (2, 1, "1f1b"), (4, 1, "1f1b"), (1, 2, "gpipe"), (1, 2, "1f1b"),
+               (1, 2, "interleaved_1f1b"), (1, 2, "zbv"), (2, 2, "1f1b"), (1, 4, "1f1b"),
+               (1, 4, "zbv")]  # fmt: skip
+    points = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[4, 8], layouts=layouts)
+    # the most devices (throughput per device is what the model learns); there the middle
+    # in octaves of m, t and p (p = 2, t = 1, m = 4: a first look that tells most about
+    # the layouts around it, not the lattice's first layout, t = p = 1); of the four
+    # schedules at that point, the one the bubble (the known trend) expects fastest: zbv,
+    # a third of the interleaved bubble, which is half of 1f1b's and gpipe's
+    guess = first_guess(points, global_objective=True)
+    assert (guess.num_devices, guess.layout, guess.micro_batch_size) == (8, (1, 2, "zbv"), 4)
+    assert first_guess(points, global_objective=False).layout == (1, 2, "zbv")
+    # a data-parallel space: the middle of m, n and B as before layouts existed
+    plain = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
+    assert first_guess(plain, global_objective=True) == BatchConfig(512, 8, 8)
+
+
+def test_each_layout_is_measured_where_the_model_says_it_is_fastest_before_a_stop():
+    from mbtune.recommend.confidence import Assessment
+    from mbtune.search import RIVAL_MATERIAL, another_look, settled
+
+    rule = {"target": 90, "max_repeats": 3, "noise_floor": 0.035}
+    leader = cfg(4, p=4, schedule="interleaved_1f1b")
+    # on the leader's device count, another schedule of the same split never measured,
+    # which the model gives a chance under the 2% of a rival: a distinct candidate that a
+    # cost of its own (its passes, its sends) can make the best without the model seeing it
+    rival, near = cfg(4, p=4), cfg(2, p=4)
+    threat = {rival: RIVAL_MATERIAL * 0.75, near: 0.001}
+
+    def assessment(looks):
+        return Assessment(leader, 1.0, 97, 0.97, len(POINTS), 0, threat=threat, looks=looks)
+
+    a = assessment({leader: 2})
+    assert not settled(a, **rule)
+    assert another_look(a, **rule, busy=set(), new_threat=0.0) == (
+        rival, "measuring the strongest rival before stopping"
+    )  # fmt: skip
+    assert settled(assessment({leader: 2, rival: 1}), **rule)

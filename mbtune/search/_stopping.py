@@ -14,6 +14,7 @@ __all__ = [
     "RIVAL_ACROSS",
     "RIVAL_MATERIAL",
     "another_look",
+    "device_layout",
     "end_reason",
     "one_look_reason",
     "settled",
@@ -31,13 +32,14 @@ leader by more than the tolerance) is looked at where its chance is at least thi
 keeps 3-8%; docs/confidence.md)."""
 
 RIVAL_ACROSS = 0.01
-"""At each device count but the leader's, the configuration likeliest to beat it is
-measured before the search stops unless the model gives it less than this: the model
-carries the shape of throughput in m from one device count to another, which a link tier
-breaks (bench/confidence_calibration.py --families fewer: 2 devices measured only at
-m = 8, 43% of the best, and 4 devices at m = 128 recommended at 97 while 2 devices at 128
-was the best; such stops 4 in 100 without this rule, 1 with it; 0.2% made it none, and
-cost the quickstart a trial)."""
+"""At each device layout but the leader's (a device count, and the model's split over it:
+t, p and the schedule), the configuration likeliest to beat it is measured before the
+search stops unless the model gives it less than this: the model carries the shape of
+throughput in m from one layout to another, which a link tier (or a pipeline's schedule,
+or another split) breaks (bench/confidence_calibration.py --families fewer: 2 devices
+measured only at m = 8, 43% of the best, and 4 devices at m = 128 recommended at 97 while
+2 devices at 128 was the best; such stops 4 in 100 without this rule, 1 with it; 0.2% made
+it none, and cost the quickstart a trial)."""
 
 
 def one_look_reason(*, max_repeats: int, noise_floor: float) -> str | None:
@@ -70,13 +72,14 @@ def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
     measured again). On a tie: the same outside the tie, where it was never measured (a
     tie of 4 devices' micro-batch sizes while 2 devices at large ones was never measured:
     bench/close_calls.py --landscape fewer-devices). Either way, before those: on each
-    device count but the leader's, the configuration likeliest to beat it, where it was
-    never measured and its chance is at least ``RIVAL_ACROSS``."""
+    device layout but the leader's (:func:`device_layout`), the configuration likeliest
+    to beat it, where it was never measured and its chance is at least
+    ``RIVAL_ACROSS``."""
     members = a.tie.members if a.tie is not None else (a.recommended,)
     enough = 1 if a.tie is not None else min(2, max_repeats)
     across = [
         c
-        for c in _likeliest_at_each_device_count(a)
+        for c in _likeliest_at_each_layout(a)
         if c not in members and not a.looks.get(c, 0) and a.threat[c] >= RIVAL_ACROSS
     ]
     if across:
@@ -88,17 +91,26 @@ def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
     return rival
 
 
-def _likeliest_at_each_device_count(a: Assessment) -> list[BatchConfig]:
-    """At each device count but the leader's, the configuration likeliest to beat it."""
+def device_layout(c: BatchConfig) -> tuple[int, int, int, str]:
+    """How ``c`` places the model on its devices: the device count and the split over it
+    (t, p, the schedule). Each is a candidate of its own before a stop: what the model
+    learnt of throughput in m at one layout it carries to another by its smooth shape,
+    and a cost that only one layout pays (a slower link past some device count, another
+    schedule's passes, a split's sends) is what that shape cannot see without a look. A
+    data-parallel space's layouts are its device counts."""
+    return (c.num_devices, *c.layout)
+
+
+def _likeliest_at_each_layout(a: Assessment) -> list[BatchConfig]:
+    """At each device layout but the leader's, the configuration likeliest to beat it."""
     if a.recommended is None:
         return []
-    likeliest: dict[int, BatchConfig] = {}
+    likeliest: dict[tuple[int, int, int, str], BatchConfig] = {}
+    leader = device_layout(a.recommended)
     for c, threat in a.threat.items():
-        n = c.num_devices
-        if n != a.recommended.num_devices and (
-            n not in likeliest or threat > a.threat[likeliest[n]]
-        ):
-            likeliest[n] = c
+        layout = device_layout(c)
+        if layout != leader and (layout not in likeliest or threat > a.threat[likeliest[layout]]):
+            likeliest[layout] = c
     return list(likeliest.values())
 
 
