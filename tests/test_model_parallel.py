@@ -243,8 +243,8 @@ def _models(tmp_path) -> dict[str, dict]:
 
 
 def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
-    """One rank: each (model, trial.sharding, configuration) measured in turn, rank 0's
-    figures written out."""
+    """One rank: each (model, trial.sharding, configuration) measured in turn with
+    ``trial.eval``, rank 0's figures written out."""
     import os
 
     import torch.distributed as dist
@@ -258,9 +258,11 @@ def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
         found = []
         for model, sharding, config in cases:
             exp = _experiment(model, num_devices=config.num_devices)
-            exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, sharding=sharding))
+            exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, sharding=sharding,
+                                                                     eval=True))  # fmt: skip
             m = measure_model_parallel(exp, config, CPU)
-            found.append({"status": m.status, "reason": m.reason, "loss": m.loss})
+            found.append({"status": m.status, "reason": m.reason, "loss": m.loss,
+                          "eval_s": m.eval_s, "compile_fallback": m.compile_fallback})  # fmt: skip
         if rank == 0:
             (tmp_path / "found.json").write_text(json.dumps(found))
     finally:
@@ -279,10 +281,12 @@ def _spawn(tmp_path, world: int, cases: list) -> list[dict]:
 def test_two_ranks_give_one_processs_loss_with_tensor_parallel_and_every_schedule(
     tmp_path, monkeypatch
 ):
-    """The same seed and B: the stages are copies of the one model, the micro-batches the
+    """The same seed and B: the stages are copies of the one model (built on the meta
+    device, each rank's shards given the one-process model's values), the micro-batches the
     one process's, each weighted by its share; after a warm-up step and a timed one (the
     optimizer has stepped twice, the tied head kept tied) the last step's loss is the one
-    process's to fp32 rounding."""
+    process's to fp32 rounding. The forward-only pass (``trial.eval``) runs with every
+    schedule, and nothing fell back to eager (compile off)."""
     pytest.importorskip("transformers")
     from mbtune.trial.collectives import OneProcess
     from mbtune.trial.measure import measure
@@ -304,6 +308,9 @@ def test_two_ranks_give_one_processs_loss_with_tensor_parallel_and_every_schedul
         expected = one[name].loss
         if got["status"] != "ok" or got["loss"] != pytest.approx(expected, rel=1e-4):
             wrong.append(f"{name} {layout}: {got} against {expected}")
+        elif not got["eval_s"] or got["eval_s"] <= 0 or got["compile_fallback"] is not None:
+            wrong.append(f"{name} {layout}: forward-only {got['eval_s']}, fall-back "
+                         f"{got['compile_fallback']}")  # fmt: skip
     assert not wrong, "\n".join(wrong)
 
 
@@ -313,6 +320,7 @@ FOUR_RANKS = [
     ("fsdp", {"pipeline_parallel": 2}),
     ("none", {"pipeline_parallel": 4}),  # the tied head 3 stages from its embedding
     ("none", {"tensor_parallel": 2, "pipeline_parallel": 2}),
+    ("fsdp", {"tensor_parallel": 2}),  # FSDP2 over TP's shards: 2-D DTensors, built on meta
 ]
 """(trial.sharding, layout) on 4 ranks, B = 8, m = 2."""
 
@@ -348,11 +356,13 @@ def test_a_pipeline_trial_on_ray_train_is_ok_with_one_processs_loss(ray_session)
     from mbtune.trial.trial import run_trial
 
     exp = _experiment(GPT)  # the layout is the configuration's
+    exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, eval=True))
     r = run_trial(exp, BatchConfig(8, 2, 2, pipeline_parallel=2, pipeline_schedule="1f1b"))
     assert (r.status, r.reason) == ("ok", None)
     one = run_trial(_experiment(GPT, parallel="simulate", num_devices=1), BatchConfig(8, 1, 2))
     assert r.loss == pytest.approx(one.loss, rel=1e-4)
     assert r.peak_memory_bytes > 0 and r.samples_per_s > 0
+    assert r.eval_samples_per_s > 0 and r.compile_fallback is None  # as any trial reports
 
 
 @pytest.mark.ray

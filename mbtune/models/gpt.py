@@ -168,14 +168,18 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()
         memo: dict[int, object] = {}  # one memo: a stage that is first and last stays tied
+        self.copied_from: dict[str, str] = {}
+        """Each part's path here -> the path of the model's module it copies."""
 
-        def own(part: nn.Module | None) -> nn.Module | None:
-            return copy.deepcopy(part, memo) if part is not None else None
+        def own(path: str, source: str | None = None) -> nn.Module:
+            self.copied_from[path] = source or path
+            return copy.deepcopy(model.get_submodule(source or path), memo)
 
-        self.wte, self.wpe, self.drop = (own(m) if first else None
-                                         for m in (model.wte, model.wpe, model.drop))  # fmt: skip
-        self.blocks = nn.ModuleList(own(model.blocks[i]) for i in range(start, stop))
-        self.ln_f, self.lm_head = (own(m) if last else None for m in (model.ln_f, model.lm_head))
+        self.wte, self.wpe, self.drop = (own(p) if first else None for p in ("wte", "wpe", "drop"))
+        self.blocks = nn.ModuleList(
+            own(f"blocks.{i - start}", f"blocks.{i}") for i in range(start, stop)
+        )
+        self.ln_f, self.lm_head = (own(p) if last else None for p in ("ln_f", "lm_head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wte is not None:  # x: token ids (B, T)
@@ -208,6 +212,7 @@ def gpt_parts(model: GPT) -> ParallelParts:
             "MLP width (4 x model.d_model)": block.mlp.c_fc.out_features,
         },
         tied=(("wte.weight", "lm_head.weight"),),
+        init=GPT.init_weights,  # every weight drawn there, none as the modules are made
     )
 
 

@@ -388,7 +388,30 @@ def hf_parts(module: nn.Module) -> ParallelParts:
         },
         tied=(("embed_tokens.weight", "lm_head.weight"),) if tied else (),
         blocks_attr="layers",
+        init=_build_init,
     )
+
+
+def _build_init(module: nn.Module) -> None:
+    """The draws of the model's build in one process, in their order: the modules made
+    children first, each torch layer drawing in its constructor (``reset_parameters``:
+    transformers makes them on the CPU), and each transformers model, once its own modules
+    are made, drawing them again in its ``post_init`` (``initialize_weights``, which skips
+    what an inner model's did: the decoder's before the head is made)."""
+    from transformers import PreTrainedModel
+
+    for m in module.modules():  # none initialised yet, as in a fresh build
+        m.__dict__.pop("_is_hf_initialized", None)
+
+    def build(m: nn.Module) -> None:
+        for child in m.children():
+            build(child)
+        if type(m).__module__.startswith("torch.nn.") and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        if isinstance(m, PreTrainedModel):
+            m.initialize_weights()
+
+    build(module)
 
 
 class _DecoderStage(nn.Module):
@@ -398,18 +421,23 @@ class _DecoderStage(nn.Module):
 
     def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()
-        base, memo = model.model, {}
+        memo: dict[int, object] = {}
+        self.copied_from: dict[str, str] = {}
+        """Each part's path here -> the path of the model's module it copies."""
 
-        def own(part: nn.Module) -> nn.Module:
-            return copy.deepcopy(part, memo)
+        def own(path: str, source: str) -> nn.Module:
+            self.copied_from[path] = source
+            return copy.deepcopy(model.get_submodule(source), memo)
 
         self.config = model.config
-        self.shard_blocks = (type(base.layers[0]).__name__,)  # an FSDP unit each
-        self.embed_tokens = own(base.embed_tokens) if first else None
-        self.rotary_emb = own(base.rotary_emb)  # every stage places its positions
-        self.layers = nn.ModuleList(own(base.layers[i]) for i in range(start, stop))
-        self.norm = own(base.norm) if last else None
-        self.lm_head = own(model.lm_head) if last else None
+        self.shard_blocks = (type(model.model.layers[0]).__name__,)  # an FSDP unit each
+        self.embed_tokens = own("embed_tokens", "model.embed_tokens") if first else None
+        self.rotary_emb = own("rotary_emb", "model.rotary_emb")  # each stage places positions
+        self.layers = nn.ModuleList(
+            own(f"layers.{i - start}", f"model.layers.{i}") for i in range(start, stop)
+        )
+        self.norm = own("norm", "model.norm") if last else None
+        self.lm_head = own("lm_head", "lm_head") if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask

@@ -13,6 +13,9 @@ gives what the loss reads, each holds a run of consecutive blocks. A weight the 
 ties (an embedding that is also the head) is a copy on the first stage and one on the last:
 :attr:`ParallelParts.tied` names them, and the pipeline sums their gradients, as Megatron
 all-reduces the embedding's, so the copies stay equal and train as the tied model does.
+A stage made from a model on the meta device is a copy without memory; where the model
+offers its init (:attr:`ParallelParts.init`) the rank materialises its stages' shards alone
+and replays that init into them (mbtune.trial.rank_init).
 
 The tensor-parallel plan maps module paths inside a stage (``*`` for any one name, as
 ``torch.distributed.tensor.parallel.parallelize_module`` reads them) to ``colwise`` (the
@@ -68,3 +71,10 @@ class ParallelParts:
     one weight in the whole model: their gradients are summed across the stages."""
     blocks_attr: str = "blocks"
     """The stage's ModuleList of blocks (each an FSDP unit, compiled on its own)."""
+    init: Callable[[nn.Module], None] | None = None
+    """``init(model)``: the whole model's initialisation as its one-process build draws it
+    from torch's RNG (after the build's seed), run on the model built on the meta device;
+    each stage then says which of the model's modules it copied (its ``copied_from``: stage
+    path -> the model's path). With both a rank builds the model on the meta device and
+    gives only its stages' shards memory and values (mbtune.trial.rank_init); None: the
+    model is built whole on the CPU and the stages copy it."""

@@ -4,10 +4,10 @@ A trial of ``num_devices = d x p x t`` ranks runs on one ``DeviceMesh`` of dimen
 (``dp``, ``pp``, ``tp``) (:class:`ParallelDims`). Each rank's share of the model is made
 as torchtitan makes it, per stage (``models/llama3/infra/parallelize.py``):
 
-1. **split**: the model, built whole and seeded on the CPU, gives this rank's stages as
-   modules of copies of its parts (mbtune.models.parallel.ParallelParts; the built-in gpt,
-   a Llama-family ``hf:`` decoder, or a user model's hooks), then the whole model is freed.
-   A rank holds one stage (gpipe, 1f1b), or two (v = 2): stages r and r + p
+1. **split**: the model, built on the meta device (:func:`rank_spec`), gives this rank's
+   stages as modules of copies of its parts (mbtune.models.parallel.ParallelParts; the
+   built-in gpt, a Llama-family ``hf:`` decoder, or a user model's hooks), none with memory
+   yet. A rank holds one stage (gpipe, 1f1b), or two (v = 2): stages r and r + p
    (interleaved_1f1b, looped) or r and 2p - 1 - r (zbv, dualpipev: the V);
 2. **tensor parallel** over ``tp``: the model's plan (colwise q/k/v and MLP-in, rowwise
    out-projections) with torch's ``parallelize_module``;
@@ -18,7 +18,12 @@ as torchtitan makes it, per stage (``models/llama3/infra/parallelize.py``):
    then the stage); with ``sharding: none`` and d > 1 FSDP2's ``replicate`` (the same units,
    each replica the whole stage, gradients all-reduced). Not DDP: on a pipeline stage it
    fails, or silently gives the last stage wrong gradients (torchtitan refuses DDP with more
-   than one dimension too).
+   than one dimension too);
+6. **materialise**: only now do the rank's stages, sharded, get memory (``to_empty``) and
+   the values the whole model has in one process with the same seed, the model's own init
+   replayed into them (mbtune.trial.rank_init): the host never holds the whole model. A user
+   model, whose init mbtune cannot replay, is built whole on the CPU instead, its stages
+   copies of it, and freed after the split.
 
 fp16 is refused (:func:`model_parallel_problem`): its gradient scaler is not run across
 stages and shards.
@@ -29,12 +34,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mbtune.config.experiment import Experiment
 from mbtune.config.trial import TrialConfig
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig, stages_per_rank
 from mbtune.models.parallel import ParallelParts
 from mbtune.trial.precision import resolve
+from mbtune.trial.rank_init import initialise_kept
 from mbtune.trial.sharding import mixed_precision, shard, shard_units
+from mbtune.trial.step import build_spec
 
 __all__ = [
     "MESH_DIMS",
@@ -44,6 +52,7 @@ __all__ = [
     "build_rank_model",
     "model_parallel_problem",
     "model_parts",
+    "rank_spec",
     "tensor_parallel",
 ]
 
@@ -161,15 +170,39 @@ class RankModel:
         return [p for stage in self.stages for p in stage.parameters()]
 
 
+def rank_spec(exp: Experiment, config: BatchConfig, dims: ParallelDims) -> Any:
+    """The model a rank of a split trial starts from (its ModelSpec): built on the meta
+    device where the model offers its init (the built-in gpt, a Llama-family decoder), so
+    that :func:`build_rank_model` materialises only the rank's share; else built whole and
+    seeded on the CPU (a user model), its stages copies of it."""
+    try:
+        spec = build_spec(exp, config, meta=True)
+        if model_parts(spec.module, dims).init is not None:
+            return spec
+    except Exception:  # noqa: S110  (the build on the CPU says what is wrong, if anything)
+        pass
+    return build_spec(exp, config)
+
+
 def build_rank_model(
     module: Any, dims: ParallelDims, mesh: Any, trial: TrialConfig, config: BatchConfig,
-    device: Any,
+    device: Any, *, seed: int | None = None,
 ) -> RankModel:  # fmt: skip
-    """This rank's stages of ``module`` (built whole, on the CPU), in torchtitan's order:
-    split, tensor parallel, (checkpointing, already on the blocks), compile, FSDP2. The
-    whole model's memory is given back (its parameters moved to the meta device)."""
+    """This rank's stages of ``module``, in torchtitan's order: split, tensor parallel,
+    (checkpointing, already on the blocks), compile, FSDP2, and, where ``module`` is on the
+    meta device and ``device`` is not, materialised: the whole model's init under ``seed``
+    replayed into the rank's shards (mbtune.trial.rank_init). A whole model on the CPU is
+    copied and its memory given back (its parameters moved to the meta device); on the meta
+    device with a meta ``device`` (the memory prediction) nothing gets memory."""
     parts = model_parts(module, dims)
     _check_degrees(parts, dims)
+    on_meta = next(iter(module.parameters())).is_meta
+    materialise = on_meta and device.type != "meta"
+    if materialise and (parts.init is None or parts.make_stage is None or seed is None):
+        raise MbtuneError(
+            f"{type(module).__name__} was built on the meta device, but offers no init to "
+            "give its stages their values: build it on the CPU (rank_spec)"
+        )
     count = dims.num_stages
     indices = dims.stage_indices(mesh["pp"].get_local_rank())
     per = parts.num_blocks // count
@@ -180,7 +213,8 @@ def build_rank_model(
         else:
             stage = parts.make_stage(i * per, (i + 1) * per, first=i == 0, last=i == count - 1)
         stage.train()
-        stage.to(device)
+        if not on_meta:  # on the meta device it stays there until sharded
+            stage.to(device)
         if dims.tp > 1:
             tensor_parallel(stage, parts.tp_plan, mesh["tp"])
         blocks = _blocks(stage, parts)
@@ -198,7 +232,9 @@ def build_rank_model(
         elif dims.dp > 1:
             replicate(stage, blocks, mesh["dp"], mixed_precision(resolve(trial.precision, device)))
         stages.append(stage)
-    if parts.make_stage is not None:
+    if materialise:
+        initialise_kept(module, stages, parts.init, device, seed=seed)
+    elif parts.make_stage is not None:
         module.to("meta")  # the stages hold copies: the whole model's memory goes back
     return RankModel(parts=parts, stages=tuple(stages), indices=indices, num_stages=count,
                      grad_bytes=grad_bytes, unit_bytes=tuple(unit_bytes))  # fmt: skip
@@ -207,7 +243,18 @@ def build_rank_model(
 def replicate(stage: Any, blocks: list[Any], dp_mesh: Any, policy: Any) -> None:
     """``sharding: none`` with d > 1: each replica holds the whole stage, its gradients
     all-reduced over ``dp`` by FSDP2's ``replicate`` (a unit per block, then the stage), which
-    a pipeline stage takes as it takes FSDP (DDP on a stage fails: the module's docstring)."""
+    a pipeline stage takes as it takes FSDP (DDP on a stage fails: the module's docstring).
+
+    From torch's private ``_composable.replicate_with_fsdp``: torch 2.13 has no public
+    equivalent. ``torch.distributed._composable.replicate`` (the package's own export) is
+    the older DDP-based one. The public ``fully_shard(..., dp_mesh_dims=
+    DataParallelMeshDims(replicate="dp"))`` replicates only parameters that are already
+    DTensors on the mesh it is given: it refuses a plain parameter ("all parameters must be
+    DTensors on the full SPMD mesh") and a tensor-parallel one on the ``tp`` sub-mesh
+    ("Expected param's DTensor mesh to be the same mesh passed to fully_shard"), tried on 2
+    and 4 gloo ranks. HSDP over a (dp, 1) mesh is public, but FSDP2 then all-gathers into a
+    second copy of every parameter (no fast path for a shard group of 1: pytorch issue
+    152710), memory a replica does not hold."""
     from torch.distributed._composable.replicate_with_fsdp import replicate as replicated
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import statistics
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +41,17 @@ from mbtune.models.batch import split_batch
 from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import ProcessGroup
+from mbtune.trial.compiling import fallback_watch
 from mbtune.trial.flops import count_flops_per_sample, device_peak
 from mbtune.trial.measure import Measurement, device_timer, no_phase
 from mbtune.trial.memory import Verdict
-from mbtune.trial.parallelize import SCHEDULES, ParallelDims, RankModel, build_rank_model
+from mbtune.trial.parallelize import (
+    SCHEDULES,
+    ParallelDims,
+    RankModel,
+    build_rank_model,
+    rank_spec,
+)
 from mbtune.trial.precision import Precision, for_device
 from mbtune.trial.sharding import gradient_sync_skipped
 from mbtune.trial.step import StepLoss, build_spec, rank_batch, rank_micro_batches, synced_step
@@ -71,10 +79,11 @@ def measure_model_parallel(exp: Experiment, config: BatchConfig, device: Any) ->
     mesh = dims.mesh(device.type)  # every rank arrives here: no build can fail before it
     failure, runner = None, None
     try:
-        spec = build_spec(exp, config)  # whole and seeded on the CPU: the stages copy it
+        spec = rank_spec(exp, config, dims)  # on the meta device: only the rank's share is made
         started = dataclasses.replace(started, tokens_per_sample=spec.tokens_per_sample,
                                       grad_bytes=spec.gradient_bytes)  # fmt: skip
-        model = build_rank_model(spec.module, dims, mesh, tr, config, device)
+        model = build_rank_model(spec.module, dims, mesh, tr, config, device,
+                                 seed=exp.search.seed)  # fmt: skip
         replica = types.SimpleNamespace(rank=mesh["dp"].get_local_rank(), world_size=dims.dp)
         batch = rank_batch(spec, config, replica, device, seed=exp.search.seed)
         sizes = rank_micro_batches(config, replica.rank)
@@ -99,15 +108,20 @@ def measure_model_parallel(exp: Experiment, config: BatchConfig, device: Any) ->
         return loss
 
     # every step has sends or all-reduces in it: a failure raises (peers wait in a receive)
-    timed = timed_steps(tr, device, run, optimizer, precision, group.agree)
-    first_s, *steps, peak = group.slowest([timed.first_s, *timed.step_s,
-                                           float(timed.peak or 0)])  # fmt: skip
+    timed = timed_steps(tr, device, run, optimizer, precision, group.agree,
+                        forward_only=runner.forward_only)  # fmt: skip
+    first_s, *steps, eval_s, peak = group.slowest(
+        [timed.first_s, *timed.step_s, timed.eval_s or 0.0, float(timed.peak or 0)]
+    )
     verdict = timed.verdict or group.agree(None, memory.over_budget(tr, timed.budget, peak))
     loss = _replicas_mean(timed.last, group, dims, device)
     if verdict is None and loss is not None and not math.isfinite(loss):
         verdict = ("error", f"non-finite loss: {loss} in the last timed step")
-    timed = dataclasses.replace(timed, first_s=first_s, step_s=tuple(steps), verdict=verdict,
-                                peak=int(peak) if timed.peak is not None else None)  # fmt: skip
+    timed = dataclasses.replace(
+        timed, first_s=first_s, step_s=tuple(steps), eval_s=eval_s or None, verdict=verdict,
+        peak=int(peak) if timed.peak is not None else None,
+        compile_fallback=_any_rank(timed.compile_fallback),
+    )  # fmt: skip
     # the sends and all-reduces are inside the steps: not apart
     return timed.measured(started, comm_s=(), loss=loss)
 
@@ -125,13 +139,18 @@ class TimedSteps:
     """Why the steps stopped short, as agreed (over the memory budget); None: they ran."""
     last: Any
     """What the last timed step's forward and backward passes returned (a loss, or None)."""
+    eval_s: float | None = None
+    """The median forward-only pass over the same micro-batches (``trial.eval``)."""
+    compile_fallback: str | None = None
+    """Why torch.compile fell back to eager on this process (recompile limit), if it did."""
 
     def measured(self, started: Measurement, **figures: Any) -> Measurement:
         status, reason = self.verdict or ("ok", None)
         loss = figures.pop("loss", None)
         return dataclasses.replace(
             started, status=status, reason=reason, first_s=self.first_s, step_s=self.step_s,
-            compute_s=self.step_s, peak_memory_bytes=self.peak,
+            compute_s=self.step_s, peak_memory_bytes=self.peak, eval_s=self.eval_s,
+            compile_fallback=self.compile_fallback,
             loss=loss if loss is not None and math.isfinite(loss) else None, **figures,
         )  # fmt: skip
 
@@ -139,10 +158,29 @@ class TimedSteps:
 def timed_steps(
     tr: Any, device: Any, run: Callable[[], Any], optimizer: Any, precision: Precision,
     agree: Callable[..., Verdict | None], phase: PhaseHook = no_phase,
+    forward_only: Callable[[], None] | None = None,
 ) -> TimedSteps:  # fmt: skip
     """The trial protocol's steps (docs/design.md): the first, which learns nothing, then the
     warm-up and the timed ones, each started once ``agree`` (a barrier where ranks are)
-    finds the peak within the budget. ``run``: one step's forward and backward passes."""
+    finds the peak within the budget, then with ``trial.eval`` the ``forward_only`` pass
+    (once to compile and set up, then timed 3 times: the median), all watched for
+    torch.compile's fall back to eager. ``run``: one step's forward and backward passes."""
+    import torch
+
+    with fallback_watch() as fallback:
+        timed = _timed_steps(tr, device, run, optimizer, precision, agree, phase)
+        if tr.eval and forward_only is not None and timed.verdict is None:
+            clock = device_timer(torch, device)
+            forward_only()
+            eval_s = statistics.median(clock(forward_only) for _ in range(3))
+            timed = dataclasses.replace(timed, eval_s=eval_s)
+    return dataclasses.replace(timed, compile_fallback=fallback.reason)
+
+
+def _timed_steps(
+    tr: Any, device: Any, run: Callable[[], Any], optimizer: Any, precision: Precision,
+    agree: Callable[..., Verdict | None], phase: PhaseHook,
+) -> TimedSteps:  # fmt: skip
     import torch
 
     timed = device_timer(torch, device)
@@ -231,6 +269,7 @@ class _Pipeline:
             loss_fn=weighted,
             scale_grads=False,
         )
+        self.forwards_alone = False
 
     def run(self) -> Any:
         """The step's forward and backward passes; the last stage's weighted loss (None
@@ -243,6 +282,49 @@ class _Pipeline:
         with self.precision.autocast():  # no outputs kept: a training step keeps none
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.stack([x.detach().float() for x in losses]).sum() if losses else None
+
+    def forward_only(self) -> None:
+        """The step's forward passes alone, with the loss (torch's ``schedule.eval``)."""
+        import torch
+
+        if not self.forwards_alone:
+            _keep_forwards(self.schedule)
+            self.forwards_alone = True
+        args = self.inputs if self.model.has_first else ()
+        kwargs = {"target": self.target, "losses": []} if self.model.has_last else {}
+        with torch.no_grad(), self.precision.autocast():
+            self.schedule.eval(*args, **kwargs)
+
+
+def _keep_forwards(schedule: Any) -> None:
+    """A schedule of several stages a rank (torch's runtime of an action list) made to run
+    its forward passes alone, in its own order with their sends and receives: torch 2.13's
+    ``eval()`` still runs such a schedule's backward actions, which a V schedule's two
+    stages on one rank fail ("can't steal_bwd_input if this stage doesn't have backward").
+    Through the runtime's private lowered action list (no public way to say forward-only,
+    and its validation wants every backward): the backward computations, their sends and
+    receives and the gradient reduction left out, dualpipev's forward-and-backward pairs
+    cut to their forward. A schedule of one stage a rank is left as it is. The step's
+    training order is gone after it: the forward-only pass is the trial's last."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if not isinstance(schedule, torch_schedules._PipelineScheduleRuntime):
+        return
+    kind = torch_schedules._ComputationType
+    backward = {kind.FULL_BACKWARD, kind.BACKWARD_INPUT, kind.BACKWARD_WEIGHT, kind.SEND_B,
+                kind.RECV_B, kind.REDUCE_GRAD}  # fmt: skip
+
+    def forwards(actions: list[Any]) -> list[Any]:
+        kept = []
+        for action in actions:
+            if action.sub_actions:
+                kept += [a for a in action.sub_actions if a.computation_type == kind.FORWARD]
+            elif action.computation_type not in backward:
+                kept.append(action)
+        return kept
+
+    lowered = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: forwards(a) for rank, a in lowered.items()}
 
 
 class _Replica:
@@ -263,6 +345,14 @@ class _Replica:
         synced_step(self.loss_fn, self.stage, self.batches, total=self.total,
                     no_sync=self._no_sync)  # fmt: skip
         return self.step_loss.value
+
+    def forward_only(self) -> None:
+        """The replica's micro-batches' forward passes alone, with the loss."""
+        import torch
+
+        with torch.no_grad():
+            for batch in self.batches:
+                self.loss_fn(self.stage, batch)
 
     def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         if self.skip_sync:
@@ -314,6 +404,16 @@ class _TiedGradients:
 def _local(tensor: Any) -> Any:
     """A DTensor's local shard (FSDP2's gradients), else the tensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _any_rank(reason: str | None) -> str | None:
+    """The first rank's reason of those that have one (each rank compiles its own stages:
+    one may fall back alone). A collective."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, reason)
+    return next((r for r in every if r), None)
 
 
 def _replicas_mean(value: Any, group: ProcessGroup, dims: ParallelDims, device: Any) -> Any:
