@@ -397,11 +397,17 @@ def _build_init(module: nn.Module) -> None:
     children first, each torch layer drawing in its constructor (``reset_parameters``:
     transformers makes them on the CPU), and each transformers model, once its own modules
     are made, drawing them again in its ``post_init`` (``initialize_weights``, which skips
-    what an inner model's did: the decoder's before the head is made)."""
+    what an inner model's did: the decoder's before the head is made). A head tied to the
+    embedding is its own weight until the build ties it, at its very end: it draws its own
+    values meanwhile (on the meta device: into nothing the rank keeps), then is tied again."""
     from transformers import PreTrainedModel
 
     for m in module.modules():  # none initialised yet, as in a fresh build
         m.__dict__.pop("_is_hf_initialized", None)
+    head, embedding = module.get_output_embeddings(), module.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    if tied:
+        head.weight = nn.Parameter(torch.empty_like(embedding.weight))
 
     def build(m: nn.Module) -> None:
         for child in m.children():
@@ -412,6 +418,8 @@ def _build_init(module: nn.Module) -> None:
             m.initialize_weights()
 
     build(module)
+    if tied:
+        head.weight = embedding.weight
 
 
 class _DecoderStage(nn.Module):
