@@ -49,8 +49,8 @@ holds."""
 
 SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 """torch.nn.init's functions that return at once on a meta tensor (torch 2.13): on the CPU
-they draw (trunc_normal_, through its helper; orthogonal_; sparse_), so the replay runs them
-on a CPU scratch (:func:`_drawn_on_the_cpu`)."""
+they write, and all but dirac_ draw (trunc_normal_ through this helper), so the replay runs
+them on a CPU scratch (:func:`_drawn_on_the_cpu`)."""
 
 _OVERWRITES = RANDOM_FILLS | {"fill_", "zero_", "copy_"}
 """In-place writes that set every element of their target (nothing of it read)."""
