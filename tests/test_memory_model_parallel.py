@@ -10,6 +10,8 @@ import yaml
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
+from mbtune.trial import predict_stage
+from mbtune.trial.blocks import BASE_DEPTH
 from mbtune.trial.parallelize import ParallelDims, build_rank_model, model_parts
 from mbtune.trial.predict import predict_memory
 from mbtune.trial.predict_stage import chunks_in_flight, traced_micro_batches
@@ -122,6 +124,10 @@ def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(tmp_path, capsys
     assert parts["parameters_bytes"] == parts["gradients_bytes"] == shard
     assert shard < 4 * got["num_parameters"] * 0.8
     assert 2 * shard <= parts["optimizer_state_bytes"] <= 2 * shard + 8 * 64
+    # a pipeline stage's receive buffers, one a micro-batch (g = 8) of its input or its
+    # output's gradient (2 samples of 16 tokens of width 32, fp32), kept from the first step
+    buffers = 8 * 2 * 16 * 32 * 4 if "p" in layout else 0
+    assert parts["collective_buffers_bytes"] == buffers
     assert got["peak_memory_bytes"] == sum(parts.values())
     assert (got["tensor_parallel"], got["pipeline_parallel"]) == (
         layout.get("t", 1),
@@ -154,9 +160,58 @@ def test_the_schedule_sets_the_activations_the_busiest_rank_holds():
 @pytest.mark.slow
 def test_a_deep_stage_counted_from_a_few_blocks_is_its_whole_trace():
     """18 blocks: 9 a stage, traced with 3 and 4 and counted to it (4 micro-batches of 2:
-    few to trace). The suite's budget holds one layout; the interleaved schedule's two
-    chunks a rank take 36 blocks to pass the cut's threshold (2 minutes more)."""
+    few to trace)."""
     exp = parse_experiment(raw({**TINY_GPT, "n_layer": 18}, b=8, p=2))
+    config = config_of(exp)
+    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
+    assert cut.as_dict() == whole.as_dict()
+
+
+@pytest.mark.slow
+def test_interleaved_stages_counted_from_a_few_blocks_are_their_whole_trace(monkeypatch):
+    """interleaved_1f1b's rank holds two stages of the four, and more chunks in flight than
+    1f1b's (4 against 2 at g = 2): 20 blocks, 5 a stage, traced with 3 and 4 blocks a stage
+    and counted to 5, here above 4 blocks (CUT_ABOVE, 8 by default, would take 36 blocks
+    and 2 minutes). What it holds beyond the process's own memory is the whole trace's,
+    part by part: the buffers of three of its stages' neighbours on the other rank, g each;
+    the activations of 4 chunks in flight."""
+    monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
+    model = {**TINY_GPT, "n_layer": 20}
+    exp = parse_experiment(raw(model, b=4, p=2, schedule="interleaved_1f1b"))
+    config = config_of(exp)
+    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
+    assert cut.as_dict() == whole.as_dict()
+    assert cut.share.num_stages == 4 and len(cut.share.stages) == 2
+    assert cut.collective_buffers_bytes == 3 * 2 * (2 * 16 * 32 * 4)
+    assert (cut.share.pipeline_rank, cut.share.in_flight) == (0, 4)
+    assert chunks_in_flight(ParallelDims(1, 2, 1, "1f1b"), 2) == 2
+
+
+def test_the_last_stage_holds_its_logits_to_their_backward_pass():
+    """gpipe's last stage holds all 8 micro-batches to their backward passes: each one's
+    logits (as torch's PipelineStage keeps a stage's output) and the loss's log-probabilities
+    of them, 2 x 64 x 4,096 fp32 each (more than the rest of its activations)."""
+    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}
+    exp = parse_experiment(raw(model, p=2, schedule="gpipe"))
+    predicted = predict_memory(exp, config_of(exp))
+    assert (predicted.share.pipeline_rank, predicted.share.in_flight) == (1, 8)
+    logits = 2 * 64 * 4096 * 4
+    assert 2 * 8 * logits <= predicted.activations_bytes < 3 * 8 * logits
+
+
+@pytest.mark.slow
+def test_a_stage_whose_peak_moves_with_its_depth_is_traced_whole():
+    """A small Qwen2 split over t = 4 of 4 devices, sharded: its last backward pass's peak
+    falls at another moment with 4 blocks than with 3 (its gathered parameters outgrow its
+    activations), so the cut traces' parts do not grow by a block's each; counted from
+    them it read 67.3 MiB, traced whole 53.9: it is traced whole."""
+    pytest.importorskip("transformers")
+    model = {"name": "hf:qwen2", "task": "causal-lm", "seq_len": 64, "num_hidden_layers": 12,
+             "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "intermediate_size": 512, "vocab_size": 2048}  # fmt: skip
+    written = raw(model, t=4, n=4, b=32, m=1, sharding="fsdp", parallel="ddp")
+    written["trial"].update(device="cuda", precision="auto")  # bf16 gathered parameters
+    exp = parse_experiment(written)
     config = config_of(exp)
     cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
     assert cut.as_dict() == whole.as_dict()

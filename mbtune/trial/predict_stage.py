@@ -13,10 +13,18 @@ device mesh of torch's fake process group (no communication; this process the ra
 predicted, as mbtune.trial.sharding.fake_process_group makes rank 0); then its stages take
 two steps on fake tensors, counted by torch's memory trackers (mbtune.trial.tracking),
 their forward and backward passes in the order torch's own schedule runs them on that rank
-(``torch.distributed.pipelining``'s action list: mbtune.trial.stage.rank_actions). What a
-peer would send is stood in for: a stage after the first takes a new tensor of the first
-stage's output's shape (the receive buffer a real stage allocates), and the
-gradient a later rank would send back is a tensor of the output's shape.
+(``torch.distributed.pipelining``'s action list: mbtune.trial.stage.rank_actions).
+
+What torch's PipelineStage holds, the trace holds. What a peer sends arrives in receive
+buffers made once for each of the step's g micro-batches and kept from the first step on
+(``args_recv_info``: a stage's input from the stage before it on another rank;
+``grad_recv_info``: its output's gradient from the stage after it), each of the first
+stage's output's shape, found on fake tensors: collective buffers, g of each kind a
+stage, whatever the schedule holds in flight. And to each micro-batch's backward pass a
+stage keeps its output (``fwd_cache``): on the last stage the logits, which the loss
+alone would not keep (it saves its log-probabilities), as many as it holds micro-batches
+in flight. Without them the prediction of 2 gloo ranks' peaks read 5-12% low, more with
+more micro-batches in flight (docs/benchmarks.md).
 
 The activations in flight. The schedule's action list says how many: a micro-batch's
 activations on a stage are held from its forward pass to its backward pass, or, where the
@@ -76,7 +84,27 @@ from mbtune.trial.stage import rank_actions
 from mbtune.trial.step import rank_micro_batches
 from mbtune.trial.tracking import batch_tensor_list, to_empty_tied, trace_steps, trackers
 
-__all__ = ["RankShare", "chunks_in_flight", "stage_peaks", "traced_micro_batches"]
+__all__ = [
+    "CUT_ABOVE",
+    "HELD_SENDS",
+    "RankShare",
+    "chunks_in_flight",
+    "stage_peaks",
+    "traced_micro_batches",
+]
+
+HELD_SENDS = {"gpipe": ("B",), "interleaved_1f1b": ("F", "B"), "zbv": ("F", "B"),
+              "dualpipev": ("F", "B")}  # fmt: skip
+"""The sends a schedule keeps to the end of the step, by kind (``F``: a stage's output to
+the stage after it, ``B``: its input's gradient to the stage before it, each on another
+rank): a send's work holds its tensor until it is waited for, and torch's ScheduleGPipe
+waits for its backward sends after its last backward pass, the schedules of two stages a
+rank (``_PipelineScheduleRuntime``) for every send at the end of the step; Schedule1F1B
+waits for each before the next (torch 2.13)."""
+
+CUT_ABOVE = 2 * (BASE_DEPTH + 1)
+"""The blocks a stage has beyond which its traces are cut (mbtune.trial.blocks): two cut
+traces, of BASE_DEPTH and one more, are then quicker than one whole."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,9 +175,9 @@ def _rank_peaks(
     dims = ParallelDims.of(config)
     module = spec.module
     per_stage = model_parts(module, dims).num_blocks // dims.num_stages
-    sizes = rank_micro_batches(config, 0)
-    traced = traced_micro_batches(config, len(sizes), pp_rank)
-    sizes = sizes[:traced]  # the largest come first
+    step = rank_micro_batches(config, 0)  # the step's g: each buffers a receive
+    traced = traced_micro_batches(config, len(step), pp_rank)
+    sizes = step[:traced]  # the largest come first
     # as a rank builds it, on the meta device: nothing compiled, the precision resolved
     as_built = dataclasses.replace(trial, compile=False, precision=precision)
     actions = rank_actions(dims, len(sizes), pp_rank)
@@ -162,9 +190,10 @@ def _rank_peaks(
         with _fake_rank(dims, pp_rank) as mesh:
             rank = build_rank_model(copied, dims, mesh, as_built, config, _meta())
             share.update(stages=rank.indices, num_stages=rank.num_stages)
-            steps = _RankSteps(rank, actions, spec, sizes, precision,
+            steps = _RankSteps(rank, actions, spec, step, traced, precision,
                                trial.sharding == "fsdp", grad_sync=config.grad_sync,
-                               pipeline=dims.pp > 1)  # fmt: skip
+                               pipeline=dims.pp > 1,
+                               held_sends=HELD_SENDS.get(dims.schedule, ()))  # fmt: skip
             return steps.trace(card=card)
 
     # the run the stages share out, cut a stage at a time; a model with another run of
@@ -173,17 +202,30 @@ def _rank_peaks(
     runs = {} if whole else repeated_blocks(module)
     split = {name: per_stage for name, n in runs.items() if n == per_stage * dims.num_stages}
     peaks = None
-    if len(split) == 1 and len(runs) == 1 and per_stage > 2 * (BASE_DEPTH + 1):
+    if len(split) == 1 and len(runs) == 1 and per_stage > CUT_ABOVE:
+        cuts: list[list[dict[str, int]]] = []  # the cut traces' candidates, in turn
         try:
-            peaks = scaled_parts(split, trace)
+            peaks = scaled_parts(split, lambda depths: cuts.append(trace(depths)) or cuts[-1])
         except MbtuneError:
             raise
         except Exception:  # a forward that does not take its blocks cut: traced whole below
+            peaks = None
+        if peaks and _moved(*cuts):
             peaks = None
     peaks = peaks or trace({})
     in_flight = chunks_in_flight(dims, len(sizes), pp_rank)
     return peaks, RankShare(pipeline_rank=pp_rank, in_flight=in_flight,
                             traced_micro_batches=traced, **share)  # fmt: skip
+
+
+def _moved(base: list[dict[str, int]], longer: list[dict[str, int]]) -> bool:
+    """Whether a computation's peak fell at another moment of it with one more block a
+    stage (a part of its peak smaller with more blocks): then its parts do not grow by a
+    block's each, and counted from the cut traces they would be wrong (a sharded
+    tensor-parallel 12B Qwen2 on 4 devices, t 2: 141 GiB counted, 67 traced whole, its last
+    backward pass's peak moving from its activations to its gathered parameters)."""
+    return any(after[part] < before[part]
+               for before, after in zip(base, longer, strict=True) for part in before)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -208,13 +250,16 @@ def _fake_rank(dims: ParallelDims, pp_rank: int) -> Iterator[Any]:
 
 
 class _RankSteps:
-    """A pipeline rank's computations of a step, in its schedule's order, on fake tensors."""
+    """A pipeline rank's computations of a step, in its schedule's order, on fake tensors,
+    holding what torch's PipelineStage holds (see :meth:`_forward`)."""
 
     def __init__(
-        self, rank: RankModel, actions: list[Any], spec: Any, sizes: list[int],
+        self, rank: RankModel, actions: list[Any], spec: Any, step: list[int], traced: int,
         precision: str, sharded: bool, *, grad_sync: str, pipeline: bool,
+        held_sends: tuple[str, ...],
     ) -> None:  # fmt: skip
-        self.rank, self.spec, self.sizes, self.sharded = rank, spec, sizes, sharded
+        self.rank, self.spec, self.sharded, self.held_sends = rank, spec, sharded, held_sends
+        self.step, self.sizes = step, step[:traced]  # every micro-batch's size; the traced
         self.pipeline, self.grad_sync = pipeline, grad_sync
         self.precision = Precision(precision, "cpu")
         self.actions = _with_release(actions)
@@ -227,15 +272,18 @@ class _RankSteps:
         }  # fmt: skip
 
     def trace(self, *, card: bool) -> list[dict[str, int]]:
+        """The candidate peaks, each with the receive buffers (:meth:`_receive_buffers`)
+        among its collective buffers: held from the first step on, they are in every one."""
         import torch
 
         tools = trackers()
         parts = self.rank.parts  # a stage of the first block: what a later stage receives
-        later = any(i > 0 for i in self.rank.indices)
-        first = parts.make_stage(0, 1, first=True, last=False) if later else None
+        split = self.rank.num_stages > 1
+        first = parts.make_stage(0, 1, first=True, last=False) if split else None
         # meta tensors go into the fake mode as inputs (they hold nothing either)
         with tools.fake_mode(allow_non_fake_inputs=True):
             self.received = self._received_shapes(first) if first is not None else {}
+            self.buffers = self._receive_buffers()
             for stage in self.rank.stages:
                 to_empty_tied(stage, "cpu")
                 stage.train()
@@ -243,14 +291,23 @@ class _RankSteps:
             optimizer = torch.optim.AdamW(parameters, lr=1e-4)
             batch = self.spec.make_batch(sum(self.sizes), torch.device("cpu"))
             self.batches = split_batch(batch, self.sizes)
+            buffers = list(self.buffers.values())
             if self.sharded and len(self.rank.stages) == 1:
                 self.tracker = tools.fsdp(self.rank.stages[0], optimizer)
                 self.tracker.track_inputs(tuple(self.batches))
+                self.tracker.track_external(*buffers)
             else:
                 self.tracker = tools.plain()
-                self.tracker.track_external(*self.rank.stages, optimizer,
+                self.tracker.track_external(*self.rank.stages, optimizer, *buffers,
                                             *batch_tensor_list(self.batches))  # fmt: skip
-            return trace_steps(self.tracker, optimizer, parameters, self.phases, card=card)
+            peaks = trace_steps(self.tracker, optimizer, parameters, self.phases, card=card)
+        # held throughout, the buffers are in every candidate, where the trackers count
+        # them with the batch (``Other``): moved to the collective buffers
+        buffered = sum(t.numel() * t.element_size() for t in buffers)
+        for peak in peaks:
+            peak["activations_bytes"] -= buffered
+            peak["collective_buffers_bytes"] += buffered
+        return peaks
 
     def _received_shapes(self, first: Any) -> dict[int, Any]:
         """What a stage after the first receives for each micro-batch size, (shape, dtype):
@@ -259,43 +316,112 @@ class _RankSteps:
 
         parts, found = self.rank.parts, {}
         to_empty_tied(first, "cpu")
-        for n in set(self.sizes):
+        for n in set(self.step):
             inputs = parts.io(self.spec.make_batch(n, torch.device("cpu")))[0]
             with self.precision.autocast():
                 out = first(*inputs)
             found[n] = (tuple(out.shape), out.dtype)
         return found
 
+    def _receive_buffers(self) -> dict[tuple[str, int, int], Any]:
+        """The buffers torch's PipelineStage receives into, made once for each of the step's
+        g micro-batches and kept (``args_recv_info``, ``grad_recv_info``): ("F", stage, i),
+        a stage's input from the stage before it on another rank, and ("B", stage, i), the
+        gradient of its output from the stage after it on another rank (a stage fed by one
+        on this rank, the V's middle, takes that one's output itself). Each of the shape a
+        stage after the first receives: a pipeline's stages pass on one shape. Counted as
+        collective buffers (:meth:`trace`)."""
+        import torch
+
+        found = {}
+        for s in self.stages:
+            for kind, peer in (("F", s - 1), ("B", s + 1)):  # whom each kind comes from
+                if not self._elsewhere(peer):
+                    continue
+                for i, n in enumerate(self.step):
+                    shape, dtype = self.received[n]
+                    found[kind, s, i] = torch.empty(shape, dtype=dtype)
+        return found
+
     def phases(self) -> list[Callable[[], None]]:
         """One step's forward and backward passes of the rank's stages, each a phase of its
         own (mbtune.trial.tracking.trace_steps), in the schedule's order."""
-        self.held: dict[tuple[int, int], Any] = {}
+        self.held: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.passed: dict[tuple[int, int], Any] = {}  # gradients for a stage on this rank
+        self.sent: list[Any] = []  # what the step's sends hold to its end (HELD_SENDS)
         return [functools.partial(self._run, j) for j in range(len(self.actions))]
 
     def _run(self, j: int) -> None:
         kind, s, i = self.actions[j]
+        if j == 0:  # the step's micro-batches not traced: as if sent before the traced ones
+            self.sent = self._untraced_sends()
         if kind == "F":
             self.held[s, i] = self._forward(s, i)
-            return
-        with self._sync(self.stages[s], last=j == self.last_release[s]):
-            out = self.held.pop((s, i))
-            out.backward(None if s == self.last else _like(out))
+            if "F" in self.held_sends and self._elsewhere(s + 1):
+                self.sent.append(self.held[s, i][1])
+        else:
+            self._backward(j, s, i)
+        if j == len(self.actions) - 1:  # the step's end: its sends waited for
+            self.sent.clear()
 
-    def _forward(self, s: int, i: int) -> Any:
+    def _backward(self, j: int, s: int, i: int) -> None:
+        with self._sync(self.stages[s], last=j == self.last_release[s]):
+            loss_or_out, _, received = self.held.pop((s, i))
+            if s == self.last:
+                loss_or_out.backward()
+            else:
+                grad = self.passed.pop((s, i), None)
+                loss_or_out.backward(self.buffers["B", s, i] if grad is None else grad)
+        if received is not None:  # the stage sends its input's gradient on and drops it
+            if s - 1 in self.stages:
+                self.passed[s - 1, i] = received.grad
+            elif "B" in self.held_sends:
+                self.sent.append(received.grad)
+            received.grad = None
+
+    def _untraced_sends(self) -> list[Any]:
+        """What the sends of the step's micro-batches that are not traced hold
+        (:data:`HELD_SENDS`), each of the shape a stage after the first receives: the
+        traced micro-batches stand for the step's last ones (the first ones where they
+        warm up), so that the end of the step, when the most sends are held and the
+        schedule's steady state as many chunks in flight as the step's, is the real one's."""
+        import torch
+
+        to = {"F": 1, "B": -1}  # a send's kind: to the stage after, or before
+        sent = []
+        for s in self.stages:
+            for kind in self.held_sends:
+                if not self._elsewhere(s + to[kind]):
+                    continue
+                for n in self.step[len(self.sizes) :]:
+                    shape, dtype = self.received[n]
+                    sent.append(torch.empty(shape, dtype=dtype))
+        return sent
+
+    def _elsewhere(self, stage: int) -> bool:
+        """Whether ``stage`` is a stage of the model on another rank."""
+        return 0 <= stage <= self.last and stage not in self.stages
+
+    def _forward(self, s: int, i: int) -> tuple[Any, Any, Any]:
+        """Stage ``s``'s forward pass of micro-batch ``i``, and what it holds to its
+        backward pass, as torch's PipelineStage (``fwd_cache``): what the backward starts
+        from (the loss on the last stage), the stage's output (the last stage's logits
+        too, until its backward pass) and its input where it received one (its receive
+        buffer, or the output of the stage before it on this rank)."""
         stage, batch, parts = self.stages[s], self.batches[i], self.rank.parts
         for module in stage.modules():  # the trackers follow one forward pass per module
             self.tracker.memory_tracking.pop(module, None)
         with self.precision.autocast():
             if s == 0 and s == self.last:  # its own one stage (t > 1 alone): its loss
-                return stage_loss_fn(self.rank, self.spec.loss_fn)(stage, batch)
+                return stage_loss_fn(self.rank, self.spec.loss_fn)(stage, batch), None, None
             if s == 0:
-                out = stage(*parts.io(batch)[0])
-            else:  # the receive buffer a later stage's input arrives in
-                import torch
-
-                shape, dtype = self.received[self.sizes[i]]
-                out = stage(torch.empty(shape, dtype=dtype).requires_grad_())
-            return parts.loss(out, parts.io(batch)[1]) if s == self.last else out
+                return (out := stage(*parts.io(batch)[0])), out, None
+            received = (self.held[s - 1, i][1].detach() if s - 1 in self.stages
+                        else self.buffers["F", s, i]).requires_grad_()  # fmt: skip
+            out = stage(received)
+            if s == self.last:
+                return parts.loss(out, parts.io(batch)[1]), out, received
+            return out, out, received
 
     def _sync(self, stage: Any, *, last: bool) -> contextlib.AbstractContextManager[Any]:
         """A backward pass's FSDP2 settings (sharded, or replicated over d > 1 without
@@ -324,13 +450,6 @@ def _with_release(actions: list[tuple[str, int, int]]) -> list[tuple[str, int, i
         elif kind == "W" or (kind in "BI" and (s, i) not in weighted):
             out.append(("release", s, i))
     return out
-
-
-def _like(output: Any) -> Any:
-    """The gradient a later stage sends back for ``output``: a tensor of its shape."""
-    import torch
-
-    return torch.ones_like(output)
 
 
 def _meta() -> Any:
