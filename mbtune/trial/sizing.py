@@ -8,6 +8,9 @@ builds the model with torch.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from mbtune.config.experiment import Experiment
 from mbtune.config.starter import Sizing
 from mbtune.errors import MbtuneError
@@ -22,7 +25,6 @@ __all__ = [
     "MAX_TENSOR_PARALLEL",
     "STATE_BYTES_PER_PARAMETER",
     "size_starter",
-    "split_peak_bytes",
 ]
 
 
@@ -52,11 +54,9 @@ def size_starter(exp: Experiment) -> Sizing:
     or where sharding alone does not hold it there (one sample's activations too large, or
     more replicas needed than the batch has samples, :data:`MAX_STARTER_DEVICES`), each
     layer split over t of them as well (``tensor_parallel``, the fewest t up to
-    :data:`MAX_TENSOR_PARALLEL` that the model's heads allow: :func:`split_peak_bytes`);
-    what was found, in lines for a person. An error where nothing up to
-    :data:`MAX_STARTER_DEVICES` x :data:`MAX_TENSOR_PARALLEL` devices holds it."""
-    import dataclasses
-
+    :data:`MAX_TENSOR_PARALLEL` that the model's heads allow, each predicted as split:
+    :func:`_fewest_split`); what was found, in lines for a person. An error where nothing
+    up to :data:`MAX_STARTER_DEVICES` x :data:`MAX_TENSOR_PARALLEL` devices holds it."""
     tr, t = exp.trial, exp.train_input
     cuda = tr.device == "cuda"
     budget = tr.device_memory or (_card_bytes() if cuda else None) or ASSUMED_CARD_BYTES
@@ -69,31 +69,25 @@ def size_starter(exp: Experiment) -> Sizing:
     n = 1
     while states / n > usable and n < most:
         n *= 2
+    peaks: list[int] = []  # every peak predicted, at any n and t
     while True:
-        sharded = n > 1
-        split = max(1, n // t.batch_size)  # replicas no more than samples (predicted: below)
-        trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if sharded else tr
-        inputs = dataclasses.replace(t, num_devices=n, tensor_parallel=split)
-        space = dataclasses.replace(exp.search.space, num_devices=(n,))
-        at = dataclasses.replace(exp, trial=trial, train_input=inputs,
-                                 search=dataclasses.replace(exp.search, space=space))  # fmt: skip
-        # FSDP over all n devices holds what t x d of them hold split (1/n of the states);
-        # one sample (m = 1) whatever the batch is
-        p = predict_memory(at, BatchConfig(max(t.batch_size, n), n, 1), spec=spec)  # built once
-        split = _fewest_split(p, n, shape, usable)
-        if split is not None:
+        tried = _fewest_split(exp, spec, shape, n, usable)
+        peaks += [p.peak_memory_bytes for _, p in tried]
+        if tried and tried[-1][1].peak_memory_bytes <= usable:
             break
         if n >= most:
+            least = _gib(min(peaks, default=0))
             raise MbtuneError(
-                f"init: {exp.model.name} ({params:,} parameters) is predicted at "
-                f"{_gib(p.peak_memory_bytes)} per device even sharded over {n} devices at "
-                f"micro_batch_size 1, each layer split over up to {MAX_TENSOR_PARALLEL} of "
-                f"them, more than {_gib(usable)} of {_gib(budget)}; make it smaller (its "
+                f"init: {exp.model.name} ({params:,} parameters) is predicted at {least} per "
+                f"device at the least (sharded over up to {n} devices at micro_batch_size 1, "
+                f"each layer split over up to {MAX_TENSOR_PARALLEL} of them as its heads "
+                f"allow), more than {_gib(usable)} of {_gib(budget)}; make it smaller (its "
                 "config's keys under model:) and write the starter by hand"
             )
         n *= 2
+    split, p = tried[-1]
+    sharded = n > 1
     device = "cuda" if cuda else "cpu"
-    peak = split_peak_bytes(p, split)
     held = (
         f"more than one {device} device's {_gib(usable)} usable: sharded (sharding: fsdp) over "
         f"{n} devices"
@@ -101,18 +95,18 @@ def size_starter(exp: Experiment) -> Sizing:
         else f"within one {device} device's {_gib(usable)} usable"
     )
     if split > 1:
-        alone = "" if n > MAX_STARTER_DEVICES else f" ({_gib(p.peak_memory_bytes)} a device)"
+        alone = f" ({_gib(tried[0][1].peak_memory_bytes)} a device)" * (tried[0][0] == 1)
         held += (
             f", more than sharding alone holds{alone}: each layer split over {split} of them "
             f"too (tensor_parallel: {split}, {n // split} replicas)"
         )
-    how = "" if split == 1 else f", each layer over {split} (estimated from its parts)"
+    how = "" if split == 1 else f", each layer over {split}"
     lines = (
         f"mbtune: {exp.model.name}: {params:,} parameters; weights, gradients and AdamW's "
         f"states hold at least {_gib(states)}, {held}",
         f"mbtune: predicted peak memory of one {device} device at micro_batch_size 1 on "
-        f"{_plural(n)}{how}: {_gib(peak)} (of trial.device_memory {_gib(budget)}"
-        f"{'' if tr.device_memory else ', assumed: ' + _budget_source()}); "
+        f"{_plural(n)}{how}: {_gib(p.peak_memory_bytes)} (of trial.device_memory "
+        f"{_gib(budget)}{'' if tr.device_memory else ', assumed: ' + _budget_source()}); "
         "`mbtune memory` names its parts",
     )
     declared = budget if tr.device_memory is None else None
@@ -121,7 +115,7 @@ def size_starter(exp: Experiment) -> Sizing:
         num_devices=n,
         sharded=sharded,
         device_memory=declared,
-        peak_memory_bytes=peak,
+        peak_memory_bytes=p.peak_memory_bytes,
         lines=lines,
         tensor_parallel=split,
         searched_tensor_parallel=ts,
@@ -129,35 +123,37 @@ def size_starter(exp: Experiment) -> Sizing:
     )
 
 
-def split_peak_bytes(p: MemoryPrediction, tensor_parallel: int) -> int:
-    """One device's peak where the model predicted as ``p`` (sharded over all of its n
-    devices, or on one) has its layers split over ``tensor_parallel`` of them too,
-    estimated from ``p``'s parts, as the prediction does not split a model yet: the
-    weights, gradients and optimizer states as they are (FSDP over the d = n / t replicas
-    of a 1/t shard holds 1/n of them, as FSDP over n does), the activations and the
-    collective buffers (a block's gathered parameters) divided by t (Megatron's tensor
-    parallelism with sequence parallelism splits every activation of a block over t), the
-    process's own memory as it is."""
-    t = tensor_parallel
-    if t == 1:
-        return p.peak_memory_bytes
-    states = p.parameters_bytes + p.gradients_bytes + p.optimizer_state_bytes
-    split = (p.activations_bytes + p.collective_buffers_bytes) / t
-    return int(states + split + p.process_baseline_bytes)
-
-
-def _fewest_split(p: MemoryPrediction, n: int, shape: ModelShape, usable: float) -> int | None:
-    """The fewest devices t each layer is split over (1: none) at which n devices hold the
-    model predicted as ``p``: a power of two up to :data:`MAX_TENSOR_PARALLEL` and n that
-    the model's heads and MLP width allow, leaving at most :data:`MAX_STARTER_DEVICES`
-    replicas (n / t)."""
+def _fewest_split(
+    exp: Experiment, spec: Any, shape: ModelShape, n: int, usable: float
+) -> list[tuple[int, MemoryPrediction]]:
+    """The predictions of n devices holding the model, each layer split over t of them (1:
+    none; sharded with FSDP over the n / t replicas where n > 1), for t = 1, 2, 4 ... up to
+    :data:`MAX_TENSOR_PARALLEL` and n, leaving at most :data:`MAX_STARTER_DEVICES` replicas,
+    that the model's heads and MLP width allow, up to the first predicted within
+    ``usable``: (t, its prediction) of each, in that order. ``spec``: the model built on
+    the meta device, once for all (mbtune.trial.predict.predict_memory)."""
+    tr, inputs = exp.trial, exp.train_input
+    trial = dataclasses.replace(tr, parallel="ddp", sharding="fsdp") if n > 1 else tr
+    search = dataclasses.replace(
+        exp.search, space=dataclasses.replace(exp.search.space, num_devices=(n,))
+    )
+    tried: list[tuple[int, MemoryPrediction]] = []
     t = 1
     while t <= min(n, MAX_TENSOR_PARALLEL):
-        fits = split_peak_bytes(p, t) <= usable and n // t <= MAX_STARTER_DEVICES
-        if fits and not model_rule(t, 1, "1f1b", shape):
-            return t
+        if n // t <= MAX_STARTER_DEVICES and not model_rule(t, 1, "1f1b", shape):
+            at = dataclasses.replace(
+                exp,
+                trial=trial,
+                search=search,
+                train_input=dataclasses.replace(inputs, num_devices=n, tensor_parallel=t),
+            )
+            # one sample (m = 1) whatever the batch is, a replica at least one
+            config = BatchConfig(max(inputs.batch_size, n // t), n, 1, tensor_parallel=t)
+            tried.append((t, predict_memory(at, config, spec=spec)))
+            if tried[-1][1].peak_memory_bytes <= usable:
+                break
         t *= 2
-    return None
+    return tried
 
 
 def _searched(shape: ModelShape, t: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
