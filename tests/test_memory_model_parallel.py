@@ -200,11 +200,11 @@ def test_the_last_stage_holds_its_logits_to_their_backward_pass():
 
 
 @pytest.mark.slow
-def test_a_stage_whose_peak_moves_with_its_depth_is_traced_whole():
+def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts():
     """A small Qwen2 split over t = 4 of 4 devices, sharded: its last backward pass's peak
     falls at another moment with 4 blocks than with 3 (its gathered parameters outgrow its
-    activations), so the cut traces' parts do not grow by a block's each; counted from
-    them it read 67.3 MiB, traced whole 53.9: it is traced whole."""
+    activations), so the cut traces' parts do not grow by a block's each: counted from 3
+    and 4 blocks it read 67.3 MiB; from 4 and 5, the whole trace's 53.9."""
     pytest.importorskip("transformers")
     model = {"name": "hf:qwen2", "task": "causal-lm", "seq_len": 64, "num_hidden_layers": 12,
              "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,

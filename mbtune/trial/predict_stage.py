@@ -203,14 +203,11 @@ def _rank_peaks(
     split = {name: per_stage for name, n in runs.items() if n == per_stage * dims.num_stages}
     peaks = None
     if len(split) == 1 and len(runs) == 1 and per_stage > CUT_ABOVE:
-        cuts: list[list[dict[str, int]]] = []  # the cut traces' candidates, in turn
         try:
-            peaks = scaled_parts(split, lambda depths: cuts.append(trace(depths)) or cuts[-1])
+            peaks = _counted(split, trace)
         except MbtuneError:
             raise
         except Exception:  # a forward that does not take its blocks cut: traced whole below
-            peaks = None
-        if peaks and _moved(*cuts):
             peaks = None
     peaks = peaks or trace({})
     in_flight = chunks_in_flight(dims, len(sizes), pp_rank)
@@ -218,12 +215,39 @@ def _rank_peaks(
                             traced_micro_batches=traced, **share)  # fmt: skip
 
 
+def _counted(
+    split: dict[str, int], trace: Callable[[dict[str, int]], list[dict[str, int]]]
+) -> list[dict[str, int]] | None:
+    """The candidate peaks of the rank's stages of ``split`` blocks, counted from cut traces
+    (mbtune.trial.blocks.scaled_parts), or None where they cannot be: traced with BASE_DEPTH
+    blocks a stage and one more, and where a computation's peak moved between them
+    (:func:`_moved`), with one block more each (its peak then at the moment that outgrew
+    the other, as with every block after), then no more."""
+    for shift in (0, 1):
+        cuts: list[list[dict[str, int]]] = []  # the cut traces' candidates, in turn
+        deeper = functools.partial(_deeper, trace, shift, cuts)
+        peaks = scaled_parts({name: n - shift for name, n in split.items()}, deeper)
+        if not _moved(*cuts):
+            return peaks
+    return None
+
+
+def _deeper(
+    trace: Callable[[dict[str, int]], list[dict[str, int]]], shift: int,
+    cuts: list[list[dict[str, int]]], depths: dict[str, int],
+) -> list[dict[str, int]]:  # fmt: skip
+    """``trace`` of ``shift`` blocks more a stage than ``depths``, kept in ``cuts``."""
+    cuts.append(trace({name: depth + shift for name, depth in depths.items()}))
+    return cuts[-1]
+
+
 def _moved(base: list[dict[str, int]], longer: list[dict[str, int]]) -> bool:
     """Whether a computation's peak fell at another moment of it with one more block a
     stage (a part of its peak smaller with more blocks): then its parts do not grow by a
     block's each, and counted from the cut traces they would be wrong (a sharded
-    tensor-parallel 12B Qwen2 on 4 devices, t 2: 141 GiB counted, 67 traced whole, its last
-    backward pass's peak moving from its activations to its gathered parameters)."""
+    tensor-parallel 12B Qwen2 on 4 devices, t 2: 141 GiB counted from 3 and 4 blocks, 67
+    traced whole, its last backward pass's peak moving from its activations to its
+    gathered parameters)."""
     return any(after[part] < before[part]
                for before, after in zip(base, longer, strict=True) for part in before)  # fmt: skip
 
