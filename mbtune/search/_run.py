@@ -106,7 +106,7 @@ def run_search(
     earlier = RunDir.open(warm_start, flag="--warm-start") if warm_start else None
     screening = screen_beside(exp, points, say, verbose)  # while Ray starts
     embedded = (address or exp.ray.address) is None and not ray.is_initialized()
-    ahead = WarmAhead.start(exp, os.getcwd()) if embedded else None  # the first trial's
+    ahead = WarmAhead.start(exp, os.getcwd()) if embedded else None  # for the first trial
     try:
         cluster = start_ray(exp, address, dashboard, verbose, say)
     except BaseException:

@@ -227,7 +227,8 @@ def _warm_parent(exp: Experiment, cwd: str) -> WarmParent | None:
 class WarmAhead:
     """A warm parent for a search's trials started by its driver, beside Ray's start, so
     that the first trial's actor finds torch and the trial's code imported (about 4 s of a
-    2-core machine): ``python -m mbtune.trial --warm-ahead NAME``. Its environment is the
+    2-core machine): ``python -m mbtune.trial --warm-ahead FD PID``, listening under
+    ``name`` in Linux's abstract namespace. Its environment is the
     driver's with the ``OMP_NUM_THREADS`` Ray gives a trial actor; an actor in another
     environment, or on another host, does not take it, and starts its own as before. It
     ends with the driver, or at :meth:`close`."""
