@@ -395,11 +395,11 @@ def test_a_stage_that_fails_on_one_rank_ends_the_group_without_hanging_its_peer(
     ],
 )
 def test_rank_0_runs_its_micro_batches_in_the_order_of_its_schedule(schedule, expected):
-    from mbtune.trial.stage import rank0_actions
+    from mbtune.trial.stage import rank_actions
 
-    actions = rank0_actions(ParallelDims(1, 2, 1, schedule), 4)
+    actions = rank_actions(ParallelDims(1, 2, 1, schedule), 4)
     assert " ".join(f"{kind}{mb}" for kind, stage, mb in actions) == expected
-    zbv = rank0_actions(ParallelDims(1, 2, 1, "zbv"), 4)
+    zbv = rank_actions(ParallelDims(1, 2, 1, "zbv"), 4)
     assert {stage for _, stage, _ in zbv} == {0, 3}  # the V: the first and the last stage
     assert sorted(k for k, _, _ in zbv) == ["F"] * 8 + ["I"] * 8 + ["W"] * 8
 

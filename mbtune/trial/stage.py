@@ -40,7 +40,7 @@ from mbtune.trial.precision import for_device
 from mbtune.trial.sharding import fake_process_group, gradient_sync_skipped
 from mbtune.trial.step import build_spec, rank_batch, rank_micro_batches
 
-__all__ = ["measure_stage", "rank0_actions", "rank_actions"]
+__all__ = ["measure_stage", "rank_actions"]
 
 
 def measure_stage(
@@ -123,9 +123,6 @@ def rank_actions(
         numbered.append((kind, stage, i))
     return numbered
 
-
-rank0_actions = rank_actions
-"""Rank 0's (``pp_rank`` 0): the name tests/test_model_parallel.py imports."""
 
 
 class _Rank0Step:
