@@ -27,6 +27,7 @@ raises. On one process a failure anywhere is the result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -57,7 +58,15 @@ from mbtune.trial.step import (
     synced_step,
 )
 
-__all__ = ["Measurement", "device_timer", "measure", "no_phase", "resolve_device"]
+__all__ = [
+    "Measurement",
+    "device_timer",
+    "eval_time",
+    "forward_passes",
+    "measure",
+    "no_phase",
+    "resolve_device",
+]
 
 
 def no_phase(phase: str, done: int, total: int) -> None:
@@ -374,7 +383,8 @@ def _timed_steps(
         # 5. forward-only over the same micro-batches (no collective in it)
         eval_s = None
         if tr.eval and not verdict:
-            eval_s = _eval_time(step.loss_fn, step.model, step.batches, timed)
+            forward = functools.partial(forward_passes, step.loss_fn, step.model, step.batches)
+            eval_s = eval_time(forward, timed)
     peak = memory.peak_memory(torch, device)
     verdict = verdict or group.agree(None, memory.over_budget(tr, budget, peak))
     # 6. ddp: the gradient sync alone
@@ -462,14 +472,17 @@ def device_timer(torch: Any, device: Any) -> Callable[[Callable[[], None]], floa
     return timed
 
 
-def _eval_time(loss_fn: Callable, model: Any, batches: list[Any], timed: Callable) -> float:
-    """Median time of a forward-only pass over the same micro-batches."""
+def forward_passes(loss_fn: Callable, model: Any, batches: list[Any]) -> None:
+    """The forward passes alone of ``batches``, with the loss (``trial.eval``)."""
     import torch
 
-    def forward() -> None:
-        with torch.no_grad():
-            for batch in batches:
-                loss_fn(model, batch)
+    with torch.no_grad():
+        for batch in batches:
+            loss_fn(model, batch)
 
-    timed(forward)  # compiles the no-grad graph
+
+def eval_time(forward: Callable[[], None], timed: Callable) -> float:
+    """Median time of a forward-only pass (``forward``), run once first to compile and set
+    up its no-grad graph; ``timed``: a :func:`device_timer`."""
+    timed(forward)
     return statistics.median(timed(forward) for _ in range(3))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,13 @@ from mbtune.trial import memory
 from mbtune.trial.collectives import ProcessGroup
 from mbtune.trial.compiling import fallback_watch
 from mbtune.trial.flops import count_flops_per_sample, device_peak
-from mbtune.trial.measure import Measurement, device_timer, no_phase
+from mbtune.trial.measure import (
+    Measurement,
+    device_timer,
+    eval_time,
+    forward_passes,
+    no_phase,
+)
 from mbtune.trial.memory import Verdict
 from mbtune.trial.parallelize import (
     SCHEDULES,
@@ -170,9 +175,7 @@ def timed_steps(
     with fallback_watch() as fallback:
         timed = _timed_steps(tr, device, run, optimizer, precision, agree, phase)
         if tr.eval and forward_only is not None and timed.verdict is None:
-            clock = device_timer(torch, device)
-            forward_only()
-            eval_s = statistics.median(clock(forward_only) for _ in range(3))
+            eval_s = eval_time(forward_only, device_timer(torch, device))
             timed = dataclasses.replace(timed, eval_s=eval_s)
     return dataclasses.replace(timed, compile_fallback=fallback.reason)
 
@@ -348,11 +351,7 @@ class _Replica:
 
     def forward_only(self) -> None:
         """The replica's micro-batches' forward passes alone, with the loss."""
-        import torch
-
-        with torch.no_grad():
-            for batch in self.batches:
-                self.loss_fn(self.stage, batch)
+        forward_passes(self.loss_fn, self.stage, self.batches)
 
     def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         if self.skip_sync:
