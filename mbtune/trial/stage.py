@@ -53,8 +53,6 @@ def measure_stage(
     tr = exp.trial
     dims = ParallelDims.of(config)
     precision = for_device(tr.precision, device)
-    if device.type == "cpu":
-        memory.fixed_mmap_threshold()  # as a rank: the peak is what its stages held
     phase("building", 0, 0)
     started = started_measurement(exp, config, device, precision.name)
     with fake_process_group(config.num_devices, who="a simulated model-parallel trial"):

@@ -233,6 +233,10 @@ def _measure_here(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Mea
     # OMP_NUM_THREADS from them) and `mbtune trial` then measure the same thing
     torch.set_num_threads(exp.cpu_threads)
     device = resolve_device(exp.trial.device)
+    if device.type == "cpu":
+        # as a ddp rank: the peak is what the trial held, not what glibc's heap kept
+        # (its dynamic threshold left a checkpointed step's freed blocks resident)
+        fixed_mmap_threshold()
     if config.tensor_parallel * config.pipeline_parallel > 1:
         # rank 0's stages and shard on torch's fake process group; the rest is modelled
         from mbtune.trial.stage import measure_stage
@@ -248,8 +252,6 @@ def _measure_here(exp: Experiment, config: BatchConfig, phase: PhaseHook) -> Mea
             return measure(exp, config, device, OneProcess(), phase)
         finally:
             release(torch, device)
-    if device.type == "cpu":
-        fixed_mmap_threshold()  # as a ddp rank: the peak is what the shard held
     # rank 0 of N alone: FSDP2 over torch's fake process group (no communication)
     with fake_process_group(config.num_devices, who="a simulated sharded trial"):
         group = SimulatedShards.for_config(device, exp.trial, config, seed=exp.search.seed)
