@@ -22,7 +22,7 @@ from mbtune.config.model_options import hf_model_type
 from mbtune.config.rules import ConfigError
 from mbtune.config.starter import write_starter
 from mbtune.errors import MbtuneError
-from mbtune.lattice import LAYOUT, SETTINGS, BatchConfig, divisors, layout_rule
+from mbtune.lattice import LAYOUT, SETTINGS, BatchConfig, divisors
 from mbtune.report import experiment_lines, micro_batches, result_lines
 
 __all__ = ["main", "space_rows"]
@@ -335,12 +335,12 @@ def trial_config(
     assert own.config is not None  # an int m or none: the mode fixes m
     config = dataclasses.replace(own.config.with_settings(exp.trial.settings),
                                  pipeline_schedule=exp.trial.pipeline_schedule)  # fmt: skip
-    why = layout_rule(config.num_devices, *config.layout, config.grad_accum_steps)
+    why = config.schedule_problem
     if why and micro is None and not isinstance(t.micro_batch_size, int):
         # the mode chooses m: the largest its pipeline's schedule runs (g >= p, ...)
         for m in reversed(divisors(config.per_device_batch)):
             fits = dataclasses.replace(config, micro_batch_size=m)
-            if not layout_rule(fits.num_devices, *fits.layout, fits.grad_accum_steps):
+            if not fits.schedule_problem:
                 return fits
     if why:
         flag = "--micro-batch-size" if micro is not None else "trial.pipeline_schedule"

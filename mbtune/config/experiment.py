@@ -27,7 +27,6 @@ from mbtune.lattice import (
     SETTINGS,
     BatchConfig,
     ModelShape,
-    layout_rule,
     model_rule,
 )
 
@@ -106,7 +105,7 @@ class Experiment:
         and the model."""
         t, tr = self.train_input, self.trial
         user = self.user_config
-        why = user and layout_rule(user.num_devices, *user.layout, user.grad_accum_steps)
+        why = user and user.schedule_problem
         if why:
             raise ConfigError("trial.pipeline_schedule", why)
         if self.model_shape is None or t.tensor_parallel * t.pipeline_parallel == 1:

@@ -90,6 +90,12 @@ class BatchConfig:
         return self.tensor_parallel, self.pipeline_parallel, self.pipeline_schedule
 
     @property
+    def schedule_problem(self) -> str | None:
+        """Why this configuration's pipeline schedule cannot run its micro-batches
+        (Megatron's rules, :func:`layout_rule`), in words; None where it can."""
+        return layout_rule(self.num_devices, *self.layout, self.grad_accum_steps)
+
+    @property
     def variant(self) -> tuple[Any, ...]:
         """Everything but B, n and m: the layout and the settings. Memory grows with the
         micro-batch on each variant's own scale."""
@@ -255,7 +261,7 @@ def enumerate_configs(
         for m in ms:
             c = BatchConfig(batch, n, m, tensor_parallel=t, pipeline_parallel=p,
                             pipeline_schedule=schedule)  # type: ignore[arg-type]  # fmt: skip
-            if not layout_rule(n, t, p, schedule, c.grad_accum_steps):
+            if not c.schedule_problem:
                 configs.add(c)
         if len(configs) > limit:
             raise LatticeError(
