@@ -121,7 +121,7 @@ def test_cold_trials_are_fresh_processes_of_their_own(tmp_path, monkeypatch):
 def test_the_warm_parent_runs_one_thread_and_no_torch_op(tmp_path):
     exp = parse_experiment({"name": "x", "model": {"name": "gpt"}, "trial": {"compile": True},
                             "train_input": {"batch_size": 4}})  # fmt: skip
-    parent = WarmParent(preload_modules(exp), cwd=str(tmp_path))
+    parent = WarmParent.start(preload_modules(exp), cwd=str(tmp_path))
     try:
         assert parent.problem is None
         assert os.listdir(f"/proc/{parent.process.pid}/task") == [str(parent.process.pid)]

@@ -217,7 +217,7 @@ def _warm_parent(exp: Experiment, cwd: str) -> WarmParent | None:
         parent = WarmParent.adopt(name, preload)
         if parent is not None:
             return parent
-    parent = WarmParent(preload, cwd=cwd)
+    parent = WarmParent.start(preload, cwd=cwd)
     if parent.problem is not None:
         _gone_cold(parent)
         return None

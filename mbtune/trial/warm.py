@@ -274,26 +274,37 @@ class WarmParent:
     socket, started here with ``preload`` imported. ``problem``: why it cannot fork trials
     (None: it can, as long as it lives)."""
 
-    def __init__(self, preload: tuple[str, ...], *, cwd: str) -> None:
+    def __init__(
+        self, preload: tuple[str, ...], env: dict[str, str], sock: socket.socket,
+        process: subprocess.Popen | None, problem: str | None,
+    ) -> None:  # fmt: skip
         self.preload = preload
-        self.env = dict(os.environ)
+        self.env = env
         """The environment it started with: libraries read theirs once, as they load."""
+        self.sock = sock
+        self.process = process
+        """Its process where this one started it (None: adopted, not this process's child)."""
+        self.problem = problem
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...], *, cwd: str) -> WarmParent:
+        """A warm parent started here, in ``cwd``, once it has said whether it can fork."""
+        env = dict(os.environ)
         ours, theirs = socket.socketpair()
         try:
-            self.process: subprocess.Popen | None = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "mbtune.trial", WARM_FLAG, str(theirs.fileno()),
                  *preload],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
-                env=parent_environment(self.env),
+                env=parent_environment(env),
             )  # fmt: skip
         finally:
             theirs.close()
-        self.sock = ours
-        self.problem: str | None
         try:
-            self.problem = _receive(ours)[0]["problem"]
+            problem = _receive(ours)[0]["problem"]
         except EOFError:
-            self.problem = f"the warm parent exited with {self.process.wait()} as it started"
+            problem = f"the warm parent exited with {process.wait()} as it started"
+        return cls(preload, env, ours, process, problem)
 
     @classmethod
     def adopt(cls, name: str, preload: tuple[str, ...]) -> WarmParent | None:
@@ -317,10 +328,7 @@ class WarmParent:
         ):
             sock.close()
             return None
-        parent = cls.__new__(cls)
-        parent.preload, parent.env, parent.sock = preload, env, sock
-        parent.process, parent.problem = None, None  # not this process's child
-        return parent
+        return cls(preload, env, sock, process=None, problem=None)
 
     def alive(self) -> bool:
         if self.problem is not None:
