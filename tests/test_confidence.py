@@ -325,3 +325,39 @@ def test_measured_rivals_are_read_apart_from_the_leader_as_well_as_jointly():
     clear = [(m, v * (1.1 if m == 32 else 1.0)) for m, v in looks]
     assert assess(POINTS, [ok(c(m), v, 0.01, 5, i) for i, (m, v) in enumerate(clear)],
                   noise_floor=0.035).confidence >= 95  # fmt: skip
+
+
+def test_a_rival_s_own_looks_are_read_apart_from_the_model_s_trend_over_device_counts():
+    # 2 and 4 devices at m = 16 seen twice each, level on those looks (bench/close_calls.py
+    # --landscape fewer-devices, seed 68): what the two's looks alone say of the rival
+    # beating the leader by more than the tolerance, whatever the neighbours make the
+    # model's trend over the device counts say
+    import math
+
+    from mbtune.recommend.noise import drift_variance
+
+    points = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[1, 2, 4])
+    two, four = c(16, 2), c(16, 4)
+    looks = [(four, 957), (two, 956), (two, 990), (four, 993)]
+    around = [(c(16), 577), (c(8, 2), 779), (c(8, 4), 700)]
+    a = assess(points, [ok(k, v, 0.0, 5, i) for i, (k, v) in enumerate(looks + around)],
+               noise_floor=0.035)  # fmt: skip
+    rival = two if a.recommended == four else four
+    var = drift_variance(a.drift, a.drift_dof) / 2  # no step noise: each mean of two looks
+    mine = [math.log(v) for k, v in looks if k == rival]
+    lead = [math.log(v) for k, v in looks if k == a.recommended]
+    gap = (sum(mine) - sum(lead)) / 2
+    z = (-math.log(1 - 0.02) - gap) / math.sqrt(2 * 2 * var)
+    assert a.own_threat[rival] == pytest.approx(0.5 * math.erfc(z))
+    assert a.own_threat[rival] > 0.2 and a.own_threat[a.recommended] == 0.0
+    # the neighbours move the model's reading of the rival, not its own looks'
+    moved = assess(points, [ok(k, v, 0.0, 5, i) for i, (k, v) in
+                            enumerate(looks + around + [(c(4, 2), 600), (c(32, 4), 990)])],
+                   noise_floor=0.035)  # fmt: skip
+    assert moved.recommended == a.recommended and moved.threat[rival] != a.threat[rival]
+    assert moved.own_threat[rival] == pytest.approx(a.own_threat[rival])
+    # a rival 10% behind on its looks is no threat on them
+    behind = [(k, v * (0.9 if k == rival else 1.0)) for k, v in looks]
+    far = assess(points, [ok(k, v, 0.0, 5, i) for i, (k, v) in enumerate(behind + around)],
+                 noise_floor=0.035)  # fmt: skip
+    assert far.own_threat[rival] < 0.01

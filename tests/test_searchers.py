@@ -309,6 +309,51 @@ def test_each_device_count_is_measured_where_the_model_says_it_is_fastest_before
     assert settled(assessment(97, {LEADER: 2}, {BatchConfig(32, 2, 16): 0.01}), **rule)
 
 
+def test_a_rival_at_another_device_count_put_behind_by_the_trend_alone_is_looked_at_again():
+    import dataclasses
+
+    from mbtune.search import another_look, settled
+
+    rule = {"target": 90, "max_repeats": 3, "noise_floor": 0.035}
+    # 1 device at m = 8 and the leader, seen twice each and level on those looks, which the
+    # model's trend over the device counts puts 4% apart (its threat 0.5%): a link tier is
+    # what that trend cannot see (bench/close_calls.py --landscape fewer-devices, seed 68)
+    level = dataclasses.replace(
+        assessment(92, {LEADER: 2, OTHER: 2}, {OTHER: 0.005}),
+        estimate={LEADER: 1.0, OTHER: 0.96},
+        own_estimate={LEADER: 0.98, OTHER: 0.98},
+        own_threat={OTHER: 0.2},
+    )
+    assert not settled(level, **rule)
+    assert another_look(level, **RULE, new_threat=0.0) == (
+        LEADER, "re-measuring the leader before stopping"
+    )  # fmt: skip
+    third = dataclasses.replace(level, looks={LEADER: 3, OTHER: 2})
+    assert another_look(third, **RULE, new_threat=0.0) == (
+        OTHER, "re-measuring the strongest rival before stopping"
+    )  # fmt: skip
+    # as often as max_repeats allows: the stop stands
+    assert settled(dataclasses.replace(level, looks={LEADER: 3, OTHER: 3}), **rule)
+    # the model puts them apart as their looks do (its trend adds under the tolerance)
+    agreed = dataclasses.replace(level, own_estimate={LEADER: 0.99, OTHER: 0.965})
+    assert settled(agreed, **rule)
+    # on the leader's own device count the model's reading stands (the 2% rule alone)
+    same = dataclasses.replace(
+        level, looks={LEADER: 2, RIVAL: 2}, threat={RIVAL: 0.005},
+        estimate={LEADER: 1.0, RIVAL: 0.96}, own_estimate={LEADER: 0.98, RIVAL: 0.98},
+        own_threat={RIVAL: 0.2},
+    )  # fmt: skip
+    assert settled(same, **rule)
+    # apart on their looks too, trials that do not drift, or a machine whose spread more
+    # looks cannot settle (three looks each, TIE_RESOLVE_LOOKS, at most): no more looks
+    assert settled(dataclasses.replace(level, own_threat={OTHER: RIVAL_MATERIAL / 2}), **rule)
+    assert settled(level, **{**rule, "noise_floor": 0.0})
+    busy = dataclasses.replace(level, resolvable=False)
+    five = {**rule, "max_repeats": 5}
+    assert not settled(busy, **five)
+    assert settled(dataclasses.replace(busy, looks={LEADER: 3, OTHER: 3}), **five)
+
+
 def test_a_tie_waits_for_a_material_rival_outside_it_that_was_never_measured():
     import dataclasses
 

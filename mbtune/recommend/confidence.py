@@ -152,6 +152,14 @@ class Assessment:
     """Whether this machine's spread lets more looks tell two configurations apart by
     the tolerance (``TIE_RESOLVES``); where not, two looks each (``TIE_LOOKS``) are all a
     close contender gets."""
+    own_threat: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """For each measured feasible configuration, the probability that it beats the
+    recommendation by more than the tolerance read on the two's own looks alone
+    (:func:`own_looks_threat`: no trend, no neighbours): what the check before a stop
+    reads a rival at another device count by (mbtune.search._stopping)."""
+    own_estimate: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
+    """Each measured feasible configuration's objective on its own looks alone (their
+    geometric mean), beside the model's ``estimate``, which its neighbours move too."""
 
 
 # Its matrices are small (a few hundred rows): BLAS threads only add spin-waits, and the
@@ -237,6 +245,10 @@ def assess(
         contenders = find_contenders(each, columns, estimate, held_open, target=target,
                                      tolerance=TOLERANCE)  # fmt: skip
     values = [o.value for o in ok if o.config == recommended]
+    own = own_looks_threat(ok, noise_var, recommended, tolerance)
+    own_estimate = {
+        c: statistics.geometric_mean([o.value for o in ok if o.config == c]) for c in own
+    }
     return Assessment(
         recommended=recommended,
         value=statistics.geometric_mean(values),  # every look, pooled
@@ -256,7 +268,40 @@ def assess(
         open_points=open_points,
         within={c: float(each[:, j].mean()) * held_open for c, j in columns.items()},
         contenders=contenders,
+        own_threat=own,
+        own_estimate=own_estimate,
     )
+
+
+def own_looks_threat(
+    ok: Sequence[Observation], noise_var: np.ndarray, leader: BatchConfig, tolerance: float
+) -> dict[BatchConfig, float]:
+    """For each configuration of ``ok``, the probability that it beats ``leader`` by more
+    than ``tolerance`` on the two's own looks alone: each the mean of the logs of its looks,
+    its variance their noise (``noise_var``, each look's) over the looks squared, the two
+    independent. Where two configurations at different device counts look level, the
+    model can still put them apart by its trend over the device counts, which a link tier
+    breaks (bench/close_calls.py --landscape fewer-devices, seed 68: 4 and 2 devices at
+    m = 16 each seen at 0.96 and 0.99 of the best, put 3% apart; 2 devices 8% faster):
+    this reading is what their looks alone can tell (docs/confidence.md)."""
+    looks: dict[BatchConfig, list[tuple[float, float]]] = {}
+    for o, var in zip(ok, noise_var, strict=True):
+        looks.setdefault(o.config, []).append((math.log(o.value), float(var)))
+
+    def mean_and_variance(c: BatchConfig) -> tuple[float, float]:
+        logs, variances = zip(*looks[c], strict=True)
+        return statistics.fmean(logs), sum(variances) / len(logs) ** 2
+
+    lead, lead_var = mean_and_variance(leader)
+    ahead = -math.log(1 - tolerance)  # beats the leader by more than the tolerance
+    out = {}
+    for c in looks:
+        mean, var = mean_and_variance(c)
+        if c == leader or var + lead_var <= 0:  # looks without noise say it outright
+            out[c] = float(c != leader and mean - lead > ahead)
+            continue
+        out[c] = 0.5 * math.erfc((ahead - (mean - lead)) / math.sqrt(2 * (var + lead_var)))
+    return out
 
 
 def shuffled(draws: np.ndarray, columns: Sequence[int], seed: int) -> np.ndarray:

@@ -4,9 +4,11 @@ both read off the search model's assessment (docs/confidence.md, "Before it stop
 
 from __future__ import annotations
 
+import math
+
 from mbtune.lattice import BatchConfig
-from mbtune.recommend.confidence import Assessment
-from mbtune.recommend.tie import TIE_LOOKS
+from mbtune.recommend.confidence import TOLERANCE, Assessment
+from mbtune.recommend.tie import TIE_LOOKS, TIE_RESOLVE_LOOKS
 from mbtune.report import sizes
 
 __all__ = [
@@ -62,10 +64,11 @@ def settled(a: Assessment, *, target: int, max_repeats: int, noise_floor: float)
         return False
     once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
     leader_seen = a.tie is not None or a.looks.get(a.recommended, 0) >= 2 or once
-    return leader_seen and strongest_rival(a, max_repeats=max_repeats) is None
+    rival = strongest_rival(a, max_repeats=max_repeats, noise_floor=noise_floor)
+    return leader_seen and rival is None
 
 
-def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
+def strongest_rival(a: Assessment, *, max_repeats: int, noise_floor: float) -> BatchConfig | None:
     """The rival to look at before stopping; None where there is none. On the target: the
     configuration likeliest to beat the leader by more than the tolerance, where its
     chance is at least ``RIVAL_MATERIAL`` and it was measured less than twice (and may be
@@ -74,7 +77,9 @@ def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
     bench/close_calls.py --landscape fewer-devices). Either way, before those: on each
     device layout but the leader's (:func:`device_layout`), the configuration likeliest
     to beat it, where it was never measured and its chance is at least
-    ``RIVAL_ACROSS``."""
+    ``RIVAL_ACROSS``. After those, on the target, a rival at another device layout level
+    with the leader on their own looks (:func:`_level_across`; the leader itself where it
+    was measured fewer times), unless :func:`one_look_reason` says trials do not drift."""
     members = a.tie.members if a.tie is not None else (a.recommended,)
     enough = 1 if a.tie is not None else min(2, max_repeats)
     across = [
@@ -86,9 +91,47 @@ def strongest_rival(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
         return max(across, key=a.threat.__getitem__)
     others = {c: t for c, t in a.threat.items() if c not in members}
     rival = max(others, key=others.__getitem__, default=None)
-    if rival is None or others[rival] < RIVAL_MATERIAL or a.looks.get(rival, 0) >= enough:
+    if rival is not None and others[rival] >= RIVAL_MATERIAL and a.looks.get(rival, 0) < enough:
+        return rival
+    if a.tie is not None or one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor):
         return None
-    return rival
+    return _level_across(a, max_repeats=max_repeats)
+
+
+def _level_across(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
+    """At the target: a measured configuration on another device count that the model
+    puts behind the leader by its trend rather than by their looks (its estimates put the
+    two further apart than their own looks do, by more than the tolerance), where their
+    own looks cannot tell them apart (its threat read on the two's looks alone,
+    ``Assessment.own_threat``, at least ``RIVAL_MATERIAL``): looked at again with the
+    leader, the one of the two measured fewer times (the leader on a tie), up to
+    ``search.max_repeats`` looks each (``TIE_RESOLVE_LOOKS`` where this machine's spread
+    cannot tell two apart by the tolerance); None where there is none. The model relates
+    device counts by a smooth trend, and a link tier is what that trend cannot see: two
+    configurations level on their looks are not told apart by the trend alone
+    (bench/close_calls.py --landscape fewer-devices, seed 68: 4 and 2 devices at m = 16
+    each seen at 0.96 and 0.99 of the best, the model 3% apart; 2 devices 8% faster)."""
+    leader = a.recommended
+    if leader is None or leader not in a.own_estimate:
+        return None
+    limit = max_repeats if a.resolvable else min(TIE_RESOLVE_LOOKS, max_repeats)
+    ahead = -math.log(1 - TOLERANCE)
+
+    def by_trend(c: BatchConfig) -> float:
+        """How much further apart the model puts ``c`` and the leader than their looks."""
+        model = math.log(a.estimate[leader] / a.estimate[c])
+        return model - math.log(a.own_estimate[leader] / a.own_estimate[c])
+
+    level = [
+        c
+        for c, t in a.own_threat.items()
+        if t >= RIVAL_MATERIAL and c.num_devices != leader.num_devices and c in a.estimate
+        and by_trend(c) > ahead and min(a.looks.get(c, 0), a.looks.get(leader, 0)) < limit
+    ]  # fmt: skip
+    if not level:
+        return None
+    rival = max(level, key=a.own_threat.__getitem__)
+    return min((leader, rival), key=lambda c: a.looks.get(c, 0))
 
 
 def device_layout(c: BatchConfig) -> tuple[int, int, int, str]:
@@ -146,8 +189,10 @@ def another_look(
         once = one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor) is not None
         if can(leader) and a.looks.get(leader, 0) < 2 and not once:
             return leader, "re-measuring the leader before stopping"
-        rival = strongest_rival(a, max_repeats=max_repeats)
+        rival = strongest_rival(a, max_repeats=max_repeats, noise_floor=noise_floor)
         if rival is not None and rival not in busy:
+            if rival == leader:  # with a rival at another layout level on their looks
+                return leader, "re-measuring the leader before stopping"
             again = "re-measuring" if a.looks.get(rival, 0) else "measuring"
             return rival, f"{again} the strongest rival before stopping"
         return None
@@ -210,8 +255,10 @@ def end_reason(
         max_repeats=max_repeats, noise_floor=noise_floor
     ):
         lacked.append("a second look at its recommendation")
-    rival = strongest_rival(a, max_repeats=max_repeats)
-    if rival is not None:
+    rival = strongest_rival(a, max_repeats=max_repeats, noise_floor=noise_floor)
+    if rival == a.recommended:
+        lacked.append("another look at its recommendation beside a rival level with it")
+    elif rival is not None:
         look = "another look" if a.looks.get(rival, 0) else "a look"
         lacked.append(f"{look} at its strongest rival ({sizes(rival)})")
     needs = f": it lacked {' and '.join(lacked)}" if lacked else ""
