@@ -18,6 +18,8 @@ import yaml
 from test_search import TABLE
 from trial_gate import TrialGate
 
+from mbtune.search._signals import STOPPING
+
 if TYPE_CHECKING:
     from conftest import SharedRay
 
@@ -69,10 +71,19 @@ def start_and_signal(
             proc.kill()
             pytest.fail(f"the search never held after {after_rows} trials\n{proc.stderr.read()}")
         os.kill(proc.pid, sig)
+        said = []
+        if sig != signal.SIGKILL:
+            # the driver answers at once; then the trial held at the gate ends, as a trial
+            # in flight does, rather than wait out Ray Tune's 10 s for it
+            for line in proc.stdout:
+                said.append(line)
+                if line == STOPPING:
+                    break
+            gate.release()
         out, err = proc.communicate(timeout=120)
     finally:
         gate.release()  # what the signal left holding goes on (and ends)
-    return proc.returncode, out, err, runs[0].parent
+    return proc.returncode, "".join(said) + out, err, runs[0].parent
 
 
 def joining(ray: SharedRay | None) -> list[str]:
@@ -110,6 +121,7 @@ def test_sigterm_stops_cleanly_and_resume_completes_the_search(tmp_path):
     assert code == 130, err[-2000:]
     assert "Traceback" not in err
     assert "mbtune: interrupted; every finished trial is in" in out
+    assert out.splitlines(keepends=True).count(STOPPING) == 1  # said as the signal came
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     before = rows(run)

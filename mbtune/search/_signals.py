@@ -5,11 +5,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["graceful_stop"]
+__all__ = ["STOPPING", "graceful_stop"]
+
+STOPPING = (
+    "mbtune: stopping: the trials in flight end first (Ray Tune gives each 10 s); "
+    "a second Ctrl-C stops at once\n"
+)
+"""What the first SIGINT or SIGTERM is answered with, at once."""
 
 
 @contextlib.contextmanager
@@ -27,6 +34,10 @@ def graceful_stop() -> Iterator[list[int]]:
             raise KeyboardInterrupt
         received.append(signum)
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, as for its Ctrl-C
+        # said at once (the summary comes once the trials in flight have ended), past
+        # sys.stdout's buffer: a print here could re-enter one the main thread was in
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.write(sys.stdout.fileno(), STOPPING.encode())
 
     # a signal the process was started ignoring (a background job's SIGINT) stays ignored
     old = {
