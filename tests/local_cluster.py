@@ -69,11 +69,17 @@ class LocalCluster:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0")
         return {**env, **extra}
 
-    def node_env(self) -> dict[str, str]:
+    def node_env(self, head: bool = False) -> dict[str, str]:
         """The environment of the nodes: without PYTHONPATH, so that what they run of mbtune
-        is what the driver ships them (or what is installed), never this checkout by path."""
+        is what the driver ships them (or what is installed), never this checkout by path.
+        The head's GCS checks each node every second and calls a node dead after 3 failed
+        checks (Ray's defaults, 3 s and 5, took 15-18 s to see a killed node): a lost node
+        is the subject of these tests, not how long Ray takes to notice it. A check of a
+        node that lives but is slow to answer fails only after Ray's 10 s timeout."""
         env = self.env()
         env.pop("PYTHONPATH", None)
+        if head:
+            env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
         return env
 
     def start_head(self, *, num_cpus: int = 1, dashboard: bool = False) -> str:
@@ -103,7 +109,7 @@ class LocalCluster:
         for attempt in (1, 2):
             with log.open("w") as out:
                 process = subprocess.Popen(
-                    command, stdout=out, stderr=subprocess.STDOUT, env=self.node_env(),
+                    command, stdout=out, stderr=subprocess.STDOUT, env=self.node_env(head),
                     start_new_session=True, cwd=self.temp_dir,
                 )  # fmt: skip
             node = Node(process, log, head)
