@@ -30,6 +30,7 @@ from mbtune.cluster import short_of
 from mbtune.runs.rundir import RunDir
 
 MBTUNE = [sys.executable, "-m", "mbtune.cli"]
+ROOT = Path(__file__).resolve().parent.parent
 
 # A model whose trial processes hold while gates/hold exists, announcing themselves first.
 # The driver builds the model too (its check of a user model): it never holds.
@@ -376,28 +377,40 @@ def test_the_dashboard_answers_on_loopback_while_a_search_runs(tmp_path):
     assert configs(RunDir(held.run_dir()).trials()) == [8]
 
 
-EMBEDDED_START = """
+EMBEDDED_SEARCH = """
 import json, sys
 import psutil
 from mbtune.cluster import DASHBOARD_DEPENDENCIES, init_ray
-init_ray(None, False, False)
+init_ray(None, False, False)  # as `mbtune run` starts its embedded Ray
 imported = [name for name in DASHBOARD_DEPENDENCIES if name in sys.modules]
 started = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-print(json.dumps({"imported": imported, "dashboards": [c for c in started if "/dashboard/" in c]}))
+from mbtune.config.load import load_experiment
+from mbtune.search import run_search
+exp = load_experiment('experiments/quickstart.yaml', [
+    'trial.backend=replay', 'trial.table=bench/landscapes/gpt_cpu.csv',
+    'search.num_samples=2', 'output_dir=' + sys.argv[1]])
+run_search(exp, echo=lambda line: None)  # on that Ray
+print(json.dumps({"torch": "torch" in sys.modules, "imported": imported,
+                  "dashboards": [c for c in started if "/dashboard/" in c]}))
 """
 
 
 @pytest.mark.slow
-def test_an_embedded_rays_start_imports_none_of_the_dashboards_dependencies_here():
-    """Ray asks whether its dashboard can run by importing its dependencies into the
+def test_an_embedded_search_imports_neither_torch_nor_the_dashboards_dependencies(tmp_path):
+    """Only trial processes need torch (2 s to import): the driver that reads the
+    experiment and runs Tune does not load it, nor does Tune's default TensorBoard logger.
+    And Ray asks whether its dashboard can run by importing its dependencies into the
     driver; mbtune answers from what is installed (mbtune.cluster): none of them is
     imported in the driver, and Ray still starts its dashboard process and the node's
     agent in full (the agent exports the metrics of docs/monitoring.md), not minimal."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([sys.executable, "-c", EMBEDDED_START], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", EMBEDDED_SEARCH, str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    started = json.loads(done.stdout.splitlines()[-1])
+    [said] = [line for line in done.stdout.splitlines() if line.startswith('{"torch": ')]
+    started = json.loads(said)
+    assert started["torch"] is False, "torch was imported"
     assert started["imported"] == []
     head, agent = ([c for c in started["dashboards"] if f"/ray/dashboard/{name} " in c]
                    for name in ("dashboard.py", "agent.py"))  # fmt: skip

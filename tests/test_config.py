@@ -387,26 +387,6 @@ def test_file_errors(tmp_path):
         load_experiment(tmp_path)
 
 
-@pytest.mark.slow
-def test_the_search_driver_does_not_import_torch(tmp_path):
-    """Only trial processes need torch (2 s to import): the driver that reads the
-    experiment and runs Tune does not load it, nor does Tune's default TensorBoard logger."""
-    import subprocess
-    import sys
-
-    code = f"""
-import sys
-from mbtune.config.load import load_experiment
-from mbtune.search import run_search
-exp = load_experiment('experiments/quickstart.yaml', [
-    'trial.backend=replay', 'trial.table=bench/landscapes/gpt_cpu.csv',
-    'search.num_samples=2', 'output_dir={tmp_path}'])
-run_search(exp, echo=lambda line: None)
-assert 'torch' not in sys.modules, 'torch was imported'
-"""
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
-
-
 # -- the dataclasses refuse what the YAML refuses, with the same message ---------
 
 
