@@ -442,9 +442,14 @@ def test_a_repeat_is_a_fresh_trial_numbered_by_its_configuration():
 def test_a_device_count_never_measured_is_a_rival_until_it_is_measured():
     # a slow link: 4 devices are the fastest, but the search starts on 8. However well
     # 8 devices are measured, fewer may be faster on a cluster that does not scale
-    # linearly: the score stays below the target until every device count was measured
-    # (a cost fitted on some cannot see a link tier between two of them), and the model
-    # sampler measures one next, beside the leader, so that the two differ in devices alone.
+    # linearly: the search does not stop until every device count was measured (a cost
+    # fitted on some cannot see a link tier between two of them), whatever the score, and
+    # the model sampler measures one next, beside the leader, so that the two differ in
+    # devices alone.
+    import dataclasses
+
+    from mbtune.search import settled, strongest_rival
+
     points = enumerate_configs(mode="auto", batch_sizes=[512], num_devices=[1, 2, 4, 8])
 
     def slow_link(c):
@@ -462,8 +467,12 @@ def test_a_device_count_never_measured_is_a_rival_until_it_is_measured():
     on_8 = [o for m in (4, 8, 16, 32, 64) for o in observe(BatchConfig(512, 8, m), 2)]
     a = model.assess(on_8)
     assert a.unmeasured_values == {"num_devices": (1, 2, 4)}
-    assert a.confidence <= 100 * (1 - OPEN_CHANCE) ** 3 < 90
     assert a.open_points and all(c.num_devices != 8 for c in a.open_points)
+    # what a new measurement could settle keeps each value's chance; the stop waits for one
+    assert a.unmeasured_threat >= 1 - (1 - OPEN_CHANCE) ** 3
+    sure = dataclasses.replace(a, confidence=95, looks={a.recommended: 2}, threat={})
+    assert not settled(sure, target=90, max_repeats=5, noise_floor=0.035)
+    assert strongest_rival(sure, max_repeats=5, noise_floor=0.035) in a.open_points
     # the search measures another device count next, with the leader's micro-batch
     searcher = make_searcher("model", points, seed=0, noise_floor=0.035)
     for i, o in enumerate(on_8, start=1):

@@ -34,11 +34,14 @@ code runs it (``docs/confidence.md`` has the reasoning and the calibration figur
    between a new configuration and another look at a measured one (mbtune.search).
 5. **What was never measured.** A value of a searched dimension that no trial measured
    (a device count, an activation checkpointing setting) is not something the model can
-   speak for: it keeps a chance of ``OPEN_CHANCE`` of holding the best, which the score
-   leaves out (each such value multiplies it by ``1 - OPEN_CHANCE``) until a trial
-   measures it. Device counts included, however many others were measured: a
-   communication cost fitted on them cannot see a link tier between two of them (1, 4
-   and 8 devices measured, 2 the fastest: bench/close_calls.py, docs/confidence.md).
+   speak for: the search measures it before it stops (mbtune.search._stopping), and
+   until then it keeps a chance of ``OPEN_CHANCE`` of holding the best in what a new
+   measurement could settle (``unmeasured_threat``). Device counts included, however many
+   others were measured: a communication cost fitted on them cannot see a link tier
+   between two of them (1, 4 and 8 devices measured, 2 the fastest: bench/close_calls.py,
+   docs/confidence.md). The score itself is the model's: discounted by
+   ``1 - OPEN_CHANCE`` per such value, it was under-confident by 19-27 points from 60 to
+   79 (the good configuration is measured early, several device counts still open).
 6. **A tie** (:meth:`SearchModel.assess`). Below the target, the fewest measured
    configurations that hold the best (within the tolerance) with a probability of at
    least the target are the contenders. Where there are several, their estimates lie
@@ -91,8 +94,10 @@ MAX_SCORE = 99
 
 OPEN_CHANCE = 0.15
 """The chance a value of a searched dimension that was never measured (and that the
-measured data do not bound) keeps of holding the best: one such value leaves a score of
-at most 85, below the usual target, so the search measures it before it stops."""
+measured data do not bound) keeps of holding the best, beyond what the model says: what a
+new measurement could settle (``Assessment.unmeasured_threat``), weighed against another
+look at a measured rival. The stop waits for every such value to be measured
+(mbtune.search._stopping); the score is not discounted for it."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +140,10 @@ class Assessment:
     posterior mean): what the recommendation and the table of the best rank by."""
     unmeasured_values: dict[str, tuple] = field(default_factory=dict)
     """Values of searched dimensions never measured that the data do not bound (each
-    keeps ``OPEN_CHANCE``), by dimension."""
+    keeps ``OPEN_CHANCE`` in ``unmeasured_threat``), by dimension."""
     open_points: frozenset[BatchConfig] = field(default_factory=frozenset, repr=False)
-    """The unmeasured configurations with such a value: what the search measures next."""
+    """The unmeasured configurations with such a value: what the search measures next,
+    and, one of each value, before it stops."""
     within: dict[BatchConfig, float] = field(default_factory=dict, repr=False)
     """For each measured feasible configuration, the probability that it is within the
     tolerance of the best (the recommendation's is the score)."""
@@ -231,9 +237,8 @@ def assess(
     rivals = [j for j, i in enumerate(keep) if i in fitted and i != best_measured]
     apart = within_draws(shuffled(draws, rivals, seed), margin)[:, r]
     probability = min(probability, float(apart.mean()))
-    held_open = (1 - OPEN_CHANCE) ** sum(map(len, unbounded.values()))
-    probability *= held_open
-    unmeasured_threat = max(unmeasured_threat, 1 - held_open)
+    never = sum(map(len, unbounded.values()))
+    unmeasured_threat = max(unmeasured_threat, 1 - (1 - OPEN_CHANCE) ** never)
     open_points = frozenset(
         c for c in candidates
         if c not in estimate and any(getattr(c, d) in v for d, v in unbounded.items())
@@ -242,7 +247,7 @@ def assess(
     columns = {candidates[i]: j for j, i in enumerate(keep) if i in fitted}
     contenders = None  # a target above what a score can reach (100): the search never stops
     if probability * 100 < target <= MAX_SCORE:
-        contenders = find_contenders(each, columns, estimate, held_open, target=target,
+        contenders = find_contenders(each, columns, estimate, target=target,
                                      tolerance=TOLERANCE)  # fmt: skip
     values = [o.value for o in ok if o.config == recommended]
     own = own_looks_threat(ok, noise_var, recommended, tolerance)
@@ -266,7 +271,7 @@ def assess(
         estimate=estimate,
         unmeasured_values=unbounded,
         open_points=open_points,
-        within={c: float(each[:, j].mean()) * held_open for c, j in columns.items()},
+        within={c: float(each[:, j].mean()) for c, j in columns.items()},
         contenders=contenders,
         own_threat=own,
         own_estimate=own_estimate,

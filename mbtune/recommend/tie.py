@@ -99,7 +99,6 @@ def find_contenders(
     within: np.ndarray,
     columns: dict[BatchConfig, int],
     estimate: dict[BatchConfig, float],
-    held_open: float,
     *,
     target: int,
     tolerance: float,
@@ -114,7 +113,7 @@ def find_contenders(
     for c in sorted(alone, key=lambda c: (-alone[c], c)):
         members.append(c)
         held |= within[:, columns[c]]
-        if held.mean() * held_open * 100 >= target:
+        if held.mean() * 100 >= target:
             break
     else:
         return None
@@ -130,7 +129,7 @@ def find_contenders(
     return Tie(
         members=tuple(members),
         width=1 - min(estimate[c] for c in members) / fastest,
-        probability=float(held.mean() * held_open),
+        probability=float(held.mean()),
         sure=tuple(_sure(members, estimate, fastest)),
     )
 

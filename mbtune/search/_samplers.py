@@ -34,10 +34,9 @@ from mbtune.lattice import BatchConfig, bubble_fraction
 from mbtune.recommend.confidence import Assessment, SearchModel
 from mbtune.recommend.observation import Observation
 from mbtune.recommend.reporter import Reporter
-from mbtune.runs.record import CONFIG_KEY, SIZES
 from mbtune.search._history import History, read_history
 from mbtune.search._space import OptunaSpace
-from mbtune.search._stopping import another_look, settled
+from mbtune.search._stopping import another_look, nearest, settled
 from mbtune.search._study import config_attrs, publish, records_of
 
 __all__ = [
@@ -299,18 +298,6 @@ _OCTAVES = ("micro_batch_size", "num_devices", "batch_size", "tensor_parallel", 
 
 def _bubble(c: BatchConfig) -> float:
     return bubble_fraction(c.pipeline_parallel, c.grad_accum_steps, c.pipeline_schedule)
-
-
-def nearest(points: Sequence[BatchConfig], to: BatchConfig) -> BatchConfig:
-    """The point of ``points`` nearest ``to``, in octaves of m, n and B and the other
-    dimensions (0 or 1 where they differ)."""
-
-    def distance(c: BatchConfig) -> tuple[float, BatchConfig]:
-        octaves = sum(abs(math.log2(getattr(c, d)) - math.log2(getattr(to, d))) for d in SIZES)
-        return octaves + sum(getattr(c, d) != getattr(to, d) for d in CONFIG_KEY
-                             if d not in SIZES), c  # fmt: skip
-
-    return min(points, key=distance)
 
 
 # ---------------------------------------------------------------------------

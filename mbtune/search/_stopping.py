@@ -5,11 +5,13 @@ both read off the search model's assessment (docs/confidence.md, "Before it stop
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import TOLERANCE, Assessment
 from mbtune.recommend.tie import TIE_LOOKS, TIE_RESOLVE_LOOKS
 from mbtune.report import sizes
+from mbtune.runs.record import CONFIG_KEY, SIZES
 
 __all__ = [
     "MATERIAL",
@@ -17,6 +19,7 @@ __all__ = [
     "RIVAL_MATERIAL",
     "another_look",
     "device_layout",
+    "nearest",
     "end_reason",
     "one_look_reason",
     "settled",
@@ -69,7 +72,8 @@ def settled(a: Assessment, *, target: int, max_repeats: int, noise_floor: float)
 
 
 def strongest_rival(a: Assessment, *, max_repeats: int, noise_floor: float) -> BatchConfig | None:
-    """The rival to look at before stopping; None where there is none. On the target: the
+    """The rival to look at before stopping; None where there is none. First, a value of
+    a dimension never measured (:func:`_never_measured`). On the target: the
     configuration likeliest to beat the leader by more than the tolerance, where its
     chance is at least ``RIVAL_MATERIAL`` and it was measured less than twice (and may be
     measured again). On a tie: the same outside the tie, where it was never measured (a
@@ -77,9 +81,12 @@ def strongest_rival(a: Assessment, *, max_repeats: int, noise_floor: float) -> B
     bench/close_calls.py --landscape fewer-devices). Either way, before those: on each
     device layout but the leader's (:func:`device_layout`), the configuration likeliest
     to beat it, where it was never measured and its chance is at least
-    ``RIVAL_ACROSS``. After those, on the target, a rival at another device layout level
-    with the leader on their own looks (:func:`_level_across`; the leader itself where it
-    was measured fewer times), unless :func:`one_look_reason` says trials do not drift."""
+    ``RIVAL_ACROSS``. After those, on the target, a rival on another device count that
+    the model puts behind the leader by its trend alone (:func:`_level_across`; the
+    leader itself where it was measured fewer times), unless :func:`one_look_reason` says
+    trials do not drift."""
+    if a.open_points:
+        return _never_measured(a)
     members = a.tie.members if a.tie is not None else (a.recommended,)
     enough = 1 if a.tie is not None else min(2, max_repeats)
     across = [
@@ -96,6 +103,29 @@ def strongest_rival(a: Assessment, *, max_repeats: int, noise_floor: float) -> B
     if a.tie is not None or one_look_reason(max_repeats=max_repeats, noise_floor=noise_floor):
         return None
     return _level_across(a, max_repeats=max_repeats)
+
+
+def _never_measured(a: Assessment) -> BatchConfig:
+    """Of the configurations with a value of a dimension never measured (a device count, an
+    activation checkpointing setting: ``Assessment.open_points``), the one beside the
+    leader (:func:`nearest`: the two differ in that value alone, as the model sampler
+    measures it below the target): measured before a stop, whatever the model says of it.
+    A cost fitted on the measured device counts cannot see a link tier between two of them
+    (1, 4 and 8 devices measured, 2 the fastest: bench/close_calls.py, docs/confidence.md);
+    the score is the model's all the same (mbtune.recommend.confidence.OPEN_CHANCE)."""
+    return nearest(sorted(a.open_points), a.recommended or min(a.open_points))
+
+
+def nearest(points: Sequence[BatchConfig], to: BatchConfig) -> BatchConfig:
+    """The point of ``points`` nearest ``to``, in octaves of m, n and B and the other
+    dimensions (0 or 1 where they differ)."""
+
+    def distance(c: BatchConfig) -> tuple[float, BatchConfig]:
+        octaves = sum(abs(math.log2(getattr(c, d)) - math.log2(getattr(to, d))) for d in SIZES)
+        return octaves + sum(getattr(c, d) != getattr(to, d) for d in CONFIG_KEY
+                             if d not in SIZES), c  # fmt: skip
+
+    return min(points, key=distance)
 
 
 def _level_across(a: Assessment, *, max_repeats: int) -> BatchConfig | None:
