@@ -361,3 +361,21 @@ def test_a_rival_s_own_looks_are_read_apart_from_the_model_s_trend_over_device_c
     far = assess(points, [ok(k, v, 0.0, 5, i) for i, (k, v) in enumerate(behind + around)],
                  noise_floor=0.035)  # fmt: skip
     assert far.own_threat[rival] < 0.01
+
+
+def test_a_value_never_measured_waits_for_the_stop_not_in_the_score():
+    # 2 and 4 devices measured across m, scaling perfectly, 1 device never: the model
+    # speaks for 1 device (at best half of 2 devices) and the score is its reading, no
+    # longer cut by 15% per value never measured (issue 39: under-confident by 27 points at
+    # 60-69); the value keeps its chance in what a new measurement could settle, and the
+    # search measures it before it stops (mbtune.search._stopping, tests/test_searchers.py)
+    from mbtune.recommend.confidence import OPEN_CHANCE
+
+    points = enumerate_configs(mode="auto", batch_sizes=[64], num_devices=[1, 2, 4])
+    looks = [ok(c(m, n), n * 1000 * m / (m + 4), seed=m + 10 * n)
+             for n in (2, 4) for m in (1, 2, 4, 8, 16, 32, 64) if n * m <= 64]  # fmt: skip
+    a = assess(points, looks)
+    assert a.unmeasured_values == {"num_devices": (1,)}
+    assert a.recommended.num_devices == 4
+    assert a.confidence >= 95 > 100 * (1 - OPEN_CHANCE)
+    assert a.unmeasured_threat >= OPEN_CHANCE
