@@ -142,6 +142,9 @@ def prepare_ray(address: str | None) -> None:
     where the cluster wants the token at hand. Asked again, it checks again and says
     nothing new."""
     joining, flag = _joining(address)
+    if joining == "auto" and os.environ.get("RAY_ADDRESS", "auto") != "auto":
+        # ray.init's "auto" is RAY_ADDRESS first: the cluster is named there
+        joining, flag = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
     if joining and "://" in joining:
         raise MbtuneError(RAY_CLIENT_REFUSED.format(flag=flag, address=joining))
     if joining and joining != "auto":

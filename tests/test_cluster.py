@@ -141,15 +141,26 @@ def cluster():
 
 
 @pytest.mark.slow
-def test_a_search_runs_on_the_cluster_and_goes_on_when_a_worker_node_is_lost(cluster, tmp_path):
+def test_a_search_runs_on_the_cluster_with_the_token_at_hand_and_goes_on_when_a_worker_node_is_lost(
+    cluster, tmp_path
+):
     held = Held(tmp_path, sizes=(2, 4, 8))
     head, worker = cluster.nodes
     ids = cluster.alive_node_ids()
     head_id, worker_id = (next(i for i, is_head in ids.items() if is_head == h) for h in (1, 0))
     held.hold()
+    # the token at hand where Ray's loader would find it, not in the environment: Ray reads
+    # RAY_AUTH_MODE once, when it is imported, and the search's modules import it, so the
+    # command checks the cluster RAY_ADDRESS names (and sets RAY_AUTH_MODE) before them, or
+    # its Ray would join without the token and be refused
+    token = tmp_path / "home" / ".ray" / "auth_token"
+    token.parent.mkdir(parents=True)
+    token.write_text(cluster.token)
+    env = {k: v for k, v in cluster.env().items() if not k.startswith("RAY_AUTH_")}
     # --address auto with RAY_ADDRESS set: Ray's rule, as under `ray job submit`
     proc = held.start(str(held.file), "--address", "auto",
-                      env=cluster.env(RAY_ADDRESS=cluster.address))  # fmt: skip
+                      env={**env, "HOME": str(tmp_path / "home"),
+                           "RAY_ADDRESS": cluster.address})  # fmt: skip
     try:
         # two trials in flight at once, one CPU per node: one runs on each node
         wait_for(lambda: len(held.started()) == 2, "two trials in flight", proc, held)
@@ -160,6 +171,8 @@ def test_a_search_runs_on_the_cluster_and_goes_on_when_a_worker_node_is_lost(clu
         assert proc.wait(timeout=240) == 0, held.err()[-3000:]
     finally:
         stop(proc)
+    assert (f"mbtune: the Ray cluster at {cluster.address} requires token authentication: "
+            f"using the token in {token}") in held.err().splitlines()  # fmt: skip
     # Ray names the head by the machine's address, not by the loopback one it was given
     assert f":{cluster.port}: 2 node(s), 2 CPUs, 0 GPUs" in held.out()
     rows = RunDir(held.run_dir()).trials()
@@ -224,29 +237,6 @@ def test_a_named_cluster_that_wants_a_token_gets_the_one_at_hand(cluster, tmp_pa
                         f"authentication: using the token in {source}"], done.stderr  # fmt: skip
         joined = rf"\('\S+:{cluster.port}', None\)"  # init_ray's answer: the GCS, no dashboard
         assert any(re.fullmatch(joined, line) for line in done.stdout.splitlines()), done.stdout
-
-
-@pytest.mark.slow
-def test_mbtune_run_sends_the_token_at_hand_from_its_first_import_of_ray(cluster, tmp_path):
-    # Ray reads RAY_AUTH_MODE once, when it is imported, and the search's modules import it:
-    # the command checks the named cluster (and sets RAY_AUTH_MODE) before them, or its Ray
-    # would join without the token and be refused
-    held = Held(tmp_path, concurrent=1, sizes=(8,))
-    token = tmp_path / "home" / ".ray" / "auth_token"
-    token.parent.mkdir(parents=True)
-    token.write_text(cluster.token)
-    env = {k: v for k, v in cluster.env().items() if not k.startswith("RAY_AUTH_")}
-    proc = held.start(str(held.file), "--address", cluster.address,
-                      env={**env, "HOME": str(tmp_path / "home")})  # fmt: skip
-    try:
-        assert proc.wait(timeout=240) == 0, held.err()[-3000:]
-    finally:
-        stop(proc)
-    assert (f"mbtune: the Ray cluster at {cluster.address} requires token authentication: "
-            f"using the token in {token}") in held.err().splitlines()  # fmt: skip
-    assert any(line.startswith("mbtune: joined the Ray cluster at ")
-               for line in held.out().splitlines())  # fmt: skip
-    assert configs(RunDir(held.run_dir()).trials()) == [8]
 
 
 def test_a_token_is_at_hand_where_rays_loader_would_find_one(tmp_path):
