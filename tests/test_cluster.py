@@ -494,12 +494,14 @@ def test_an_address_from_ray_address_is_named_so_in_errors(monkeypatch, tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    with pytest.raises(MbtuneError, match=rf"^RAY_ADDRESS: nothing answers at 127.0.0.1:{port} "
-                       r".*or unset RAY_ADDRESS for an embedded Ray$"):  # fmt: skip
-        init_ray(None, False, False)
+    for address in (None, "auto"):  # auto: RAY_ADDRESS first, as ray.init reads it
+        with pytest.raises(MbtuneError, match=rf"^RAY_ADDRESS: nothing answers at 127.0.0.1:"
+                           rf"{port} .*or unset RAY_ADDRESS for an embedded Ray$"):  # fmt: skip
+            init_ray(address, False, False)
     monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
-    with pytest.raises(MbtuneError, match=r"^RAY_ADDRESS: ray://127.0.0.1:10001: Ray Client"):
-        init_ray(None, False, False)
+    for address in (None, "auto"):
+        with pytest.raises(MbtuneError, match=r"^RAY_ADDRESS: ray://127.0.0.1:10001: Ray Client"):
+            init_ray(address, False, False)
 
 
 def test_short_of_names_what_no_node_has_any_more():
