@@ -517,25 +517,26 @@ def test_short_of_names_what_no_node_has_any_more():
 
 
 @pytest.mark.slow
-def test_a_search_whose_only_node_that_fits_a_trial_is_lost_stops_cleanly_and_resumes(tmp_path):
+def test_a_search_whose_only_node_that_fits_a_trial_is_lost_stops_cleanly_and_resumes(
+    cluster, tmp_path
+):
     held = Held(tmp_path, concurrent=1, sizes=(4, 8))
     spec = yaml.safe_load(held.file.read_text())
-    spec["ray"].update(cpus_per_trial=2, resource_wait_s=3)  # only the worker fits a trial
+    spec["ray"].update(cpus_per_trial=2, resource_wait_s=3)  # only the big node fits a trial
     held.file.write_text(yaml.safe_dump(spec))
-    small = LocalCluster()
     proc = None
+    big = cluster.add_node(num_cpus=2)  # beside the module's nodes of one CPU each
     try:
-        small.start_head(num_cpus=1)
-        big = small.add_node(num_cpus=2)
         held.hold()
-        proc = held.start(str(held.file), "--address", small.address, env=small.env())
+        proc = held.start(str(held.file), "--address", cluster.address, env=cluster.env())
         wait_for(lambda: held.started(), "a trial in flight", proc, held)
-        small.kill(big)
+        cluster.kill(big)
         code = proc.wait(timeout=180)
     finally:
         if proc is not None:
             stop(proc)
-        small.stop()
+        if big.process.poll() is None:
+            cluster.kill(big)
     said = [line for line in held.out().splitlines() if "no node with what one trial" in line]
     assert code == 130, held.err()[-3000:]
     assert said == [
