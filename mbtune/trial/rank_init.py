@@ -38,6 +38,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from mbtune.trial.tracking import to_empty_tied
+
 __all__ = ["initialise_kept", "source_name"]
 
 RANDOM_FILLS = frozenset(
@@ -65,7 +67,7 @@ def initialise_kept(
     import torch
 
     for stage in stages:
-        _to_empty_tied(stage, device)
+        to_empty_tied(stage, device)
     targets: dict[int, list[Any]] = {}
     names: dict[int, str] = {}
     for stage in stages:
@@ -88,22 +90,6 @@ def initialise_kept(
             f"the model's init left {', '.join(unset[:3])} unset: the rank cannot give its "
             "stages the one-process model's values"
         )
-
-
-def _to_empty_tied(stage: Any, device: Any) -> None:
-    """``stage.to_empty(device)``, its tied weights (one parameter under two names: the gpt's
-    embedding and head on a stage that is the first and the last) still one: ``to_empty``
-    gives each name a parameter of its own (FSDP2 keeps them one by itself)."""
-    names: dict[int, list[str]] = {}
-    for name, p in stage.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    stage.to_empty(device=device)
-    for first, *others in (group for group in names.values() if len(group) > 1):
-        kept = stage.get_parameter(first)
-        for name in others:
-            if stage.get_parameter(name) is not kept:
-                owner, _, attr = name.rpartition(".")
-                setattr(stage.get_submodule(owner), attr, kept)
 
 
 def source_name(name: str, copied_from: Mapping[str, str]) -> str:

@@ -143,10 +143,12 @@ def peak_parts(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return parts
 
 
-def to_empty_tied(module: Any, device: str) -> None:
+def to_empty_tied(module: Any, device: Any) -> None:
     """``module.to_empty(device)``, its tied parameters (an embedding shared with the
-    output layer) still one: from meta to fake tensors, which torch cannot swap in place,
-    ``to_empty`` makes each module's parameter anew, and a tied weight would count twice."""
+    output layer) still one: from meta to fake tensors (a prediction) or to a rank's real
+    memory (mbtune.trial.rank_init), which torch cannot swap in place, ``to_empty`` makes
+    each module's parameter anew, and a tied weight would count twice. A name that still
+    holds its first's parameter (FSDP2 keeps its own tied) is left as it is."""
     owners = [
         (m, name, id(p))
         for m in module.modules()
@@ -155,10 +157,10 @@ def to_empty_tied(module: Any, device: str) -> None:
     module.to_empty(device=device)
     first: dict[int, Any] = {}
     for m, name, key in owners:
-        if key in first:
-            setattr(m, name, first[key])
-        else:
+        if key not in first:
             first[key] = getattr(m, name)
+        elif getattr(m, name) is not first[key]:
+            setattr(m, name, first[key])
 
 
 def batch_tensor_list(batches: Iterable[Any]) -> list[Any]:
