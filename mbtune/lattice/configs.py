@@ -15,6 +15,7 @@ from mbtune.lattice.arithmetic import (
     GradSync,
     LatticeError,
     PipelineSchedule,
+    bubble_fraction,
     canonical_micro_batch_size,
     divisors,
     even_split,
@@ -94,6 +95,15 @@ class BatchConfig:
         """Why this configuration's pipeline schedule cannot run its micro-batches
         (Megatron's rules, :func:`layout_rule`), in words; None where it can."""
         return layout_rule(self.num_devices, *self.layout, self.grad_accum_steps)
+
+    @property
+    def bubble(self) -> float:
+        """The share of a step's ideal time its pipeline idles, filling and draining with
+        this configuration's micro-batches (Megatron's, by schedule: :func:`bubble_fraction`);
+        0 without a pipeline."""
+        return bubble_fraction(
+            self.pipeline_parallel, self.grad_accum_steps, self.pipeline_schedule
+        )
 
     @property
     def variant(self) -> tuple[Any, ...]:

@@ -47,7 +47,7 @@ from scipy.optimize import nnls
 
 from mbtune.comm import Link, all_reduce, step_traffic
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig, bubble_fraction
+from mbtune.lattice import BatchConfig
 from mbtune.plan.layout import Activations, layout_traffic, placed_s
 from mbtune.plan.prior import prior_link, with_prior
 from mbtune.recommend.noise import (
@@ -103,9 +103,8 @@ def _split(config: BatchConfig) -> bool:
 
 def _passes(config: BatchConfig) -> float:
     """A device's micro-batches of a step in units of one's compute: g, and the pipeline's
-    bubble (lattice.bubble_fraction: its fill and drain slots idle)."""
-    g = config.grad_accum_steps
-    return g * (1 + bubble_fraction(config.pipeline_parallel, g, config.pipeline_schedule))
+    bubble (``BatchConfig.bubble``: its fill and drain slots idle)."""
+    return config.grad_accum_steps * (1 + config.bubble)
 
 
 def _relative_sds(found: Sequence[Observation], noise_floor: float) -> np.ndarray:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from mbtune.lattice import PIPELINE_SCHEDULES, BatchConfig, bubble_fraction
+from mbtune.lattice import PIPELINE_SCHEDULES, BatchConfig
 
 __all__ = ["Mixture", "Scale", "features", "plausible"]
 
@@ -43,7 +43,7 @@ def features(c: BatchConfig) -> tuple[float, ...]:
     on; sharded, reshard_after_forward off, grad_sync every); the layout: octaves of t and
     p, and the pipeline's schedule as a category (one column per schedule, two schedules
     one unit apart); and last, the bubble's log share of a step, log(1 + (p - 1) / (v g))
-    (mbtune.lattice.bubble_fraction), which is not a coordinate of the surface but a term
+    (``BatchConfig.bubble``), which is not a coordinate of the surface but a term
     of its trend (:data:`_SHAPE`). Each setting and each value of the layout is a surface
     of its own, shifted by the trend and close to the others by the smooth deviation (one
     unit apart, as an octave is), so that what one measures tells of the other. A setting
@@ -60,7 +60,6 @@ def features(c: BatchConfig) -> tuple[float, ...]:
     differ in nothing but their memory (gpipe and 1f1b) are still two categories: a real
     machine may run them at different speeds."""
     schedule = c.pipeline_schedule if c.pipeline_parallel > 1 else "none"
-    bubble = bubble_fraction(c.pipeline_parallel, c.grad_accum_steps, c.pipeline_schedule)
     return (
         math.log2(c.micro_batch_size),
         math.log2(c.num_devices),
@@ -71,7 +70,7 @@ def features(c: BatchConfig) -> tuple[float, ...]:
         math.log2(c.tensor_parallel),
         math.log2(c.pipeline_parallel),
         *(_CATEGORY * (schedule == s) for s in PIPELINE_SCHEDULES),
-        math.log1p(bubble),
+        math.log1p(c.bubble),
     )
 
 

@@ -30,7 +30,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from mbtune.config.experiment import Experiment
-from mbtune.lattice import BatchConfig, bubble_fraction
+from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import Assessment, SearchModel
 from mbtune.recommend.observation import Observation
 from mbtune.recommend.reporter import Reporter
@@ -258,7 +258,7 @@ def first_guess(points: Sequence[BatchConfig], global_objective: bool) -> BatchC
     is all it models, so with a global objective the most devices; then the middle of the
     rest of the space (in octaves of m, n and B, and of the split, t and p), which the first
     measurement tells most about; and of the schedules at that point, the one its known
-    trend expects fastest: the least bubble (mbtune.lattice.bubble_fraction). A
+    trend expects fastest: the least bubble (``BatchConfig.bubble``). A
     data-parallel space has one split (t = p = 1, no bubble): the middle of m, n and B."""
     if global_objective:
         most = max(p.num_devices for p in points)
@@ -289,15 +289,11 @@ def _middle(points: Sequence[BatchConfig]) -> BatchConfig:
         return tuple(math.log2(getattr(c, d)) for d in _OCTAVES)
 
     centre = [sum(dim) / len(points) for dim in zip(*map(octaves, points), strict=True)]
-    return min(points, key=lambda c: (math.dist(octaves(c), centre), _bubble(c)))
+    return min(points, key=lambda c: (math.dist(octaves(c), centre), c.bubble))
 
 
 _OCTAVES = ("micro_batch_size", "num_devices", "batch_size", "tensor_parallel", "pipeline_parallel")
 """The dimensions a first guess is the middle of: the sizes and the split."""
-
-
-def _bubble(c: BatchConfig) -> float:
-    return bubble_fraction(c.pipeline_parallel, c.grad_accum_steps, c.pipeline_schedule)
 
 
 # ---------------------------------------------------------------------------

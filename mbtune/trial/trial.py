@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mbtune import lattice
 from mbtune.comm import pipeline_traffic, step_traffic, tensor_parallel_traffic
 from mbtune.config.experiment import Experiment
 from mbtune.errors import MbtuneError
@@ -280,10 +279,8 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
     if measured.comm_s is None:  # one device's steps (its stage and shard): the rest modelled
         comm = _modelled_comm_s(exp, measured)
         # the pipeline's fill and drain idle: (p - 1) / g of the ideal time for 1f1b (by
-        # schedule: lattice.bubble_fraction)
-        bubble_share = lattice.bubble_fraction(
-            config.pipeline_parallel, config.grad_accum_steps, config.pipeline_schedule
-        )
+        # schedule: BatchConfig.bubble)
+        bubble_share = config.bubble
         steps = [c * (1 + bubble_share) + comm for c in steps]
     else:
         comm = statistics.median(measured.comm_s) if measured.comm_s else 0.0
