@@ -31,7 +31,7 @@ from mbtune import progress
 from mbtune.config.experiment import Experiment
 from mbtune.progress import PhaseHook
 from mbtune.trial.trial import TrialRequest, trial_metrics
-from mbtune.trial.warm import AHEAD_FLAG, Ended, WarmParent, parent_environment
+from mbtune.trial.warm import AHEAD_FLAG, Ended, WarmParent, spawn
 
 __all__ = [
     "KILL_GRACE_S",
@@ -244,12 +244,8 @@ class WarmAhead:
         try:
             listener.bind("\0" + self.name)
             listener.listen(8)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "mbtune.trial", AHEAD_FLAG, str(listener.fileno()),
-                 str(os.getpid()), *preload_modules(exp)],
-                pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
-                env=parent_environment(env),
-            )  # fmt: skip
+            self.process = spawn(AHEAD_FLAG, listener, [str(os.getpid()), *preload_modules(exp)],
+                                 cwd=cwd, env=env)  # fmt: skip
         finally:
             listener.close()
 

@@ -122,7 +122,6 @@ def rank_actions(
     return numbered
 
 
-
 class _Rank0Step:
     """Rank 0's computations of one step over its stages, the schedule's order."""
 

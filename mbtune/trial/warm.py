@@ -57,6 +57,7 @@ __all__ = [
     "parent_environment",
     "serve",
     "serve_ahead",
+    "spawn",
 ]
 
 WARM_FLAG = "--warm"
@@ -292,12 +293,7 @@ class WarmParent:
         env = dict(os.environ)
         ours, theirs = socket.socketpair()
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "mbtune.trial", WARM_FLAG, str(theirs.fileno()),
-                 *preload],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
-                env=parent_environment(env),
-            )  # fmt: skip
+            process = spawn(WARM_FLAG, theirs, list(preload), cwd=cwd, env=env)
         finally:
             theirs.close()
         try:
@@ -374,6 +370,19 @@ class WarmParent:
         if self.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=5)
+
+
+def spawn(
+    flag: str, sock: socket.socket, args: list[str], *, cwd: str, env: dict[str, str]
+) -> subprocess.Popen:
+    """``python -m mbtune.trial FLAG FD ARGS...`` in ``cwd``: a warm parent given ``sock``
+    (as FD), in the environment a warm parent starts with for a process whose own is
+    ``env`` (:func:`parent_environment`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mbtune.trial", flag, str(sock.fileno()), *args],
+        pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
+        env=parent_environment(env),
+    )  # fmt: skip
 
 
 def parent_environment(env: dict[str, str]) -> dict[str, str]:
