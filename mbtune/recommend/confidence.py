@@ -250,10 +250,7 @@ def assess(
         contenders = find_contenders(each, columns, estimate, target=target,
                                      tolerance=TOLERANCE)  # fmt: skip
     values = [o.value for o in ok if o.config == recommended]
-    own = own_looks_threat(ok, noise_var, recommended, tolerance)
-    own_estimate = {
-        c: statistics.geometric_mean([o.value for o in ok if o.config == c]) for c in own
-    }
+    looks = own_looks(ok, noise_var)
     return Assessment(
         recommended=recommended,
         value=statistics.geometric_mean(values),  # every look, pooled
@@ -273,35 +270,42 @@ def assess(
         open_points=open_points,
         within={c: float(each[:, j].mean()) for c, j in columns.items()},
         contenders=contenders,
-        own_threat=own,
-        own_estimate=own_estimate,
+        own_threat=own_looks_threat(looks, recommended, tolerance),
+        own_estimate={c: math.exp(mean) for c, (mean, _) in looks.items()},  # geometric mean
     )
 
 
+Looks = tuple[float, float]
+"""A configuration's own looks: the mean of their logs and its variance (:func:`own_looks`)."""
+
+
+def own_looks(ok: Sequence[Observation], noise_var: np.ndarray) -> dict[BatchConfig, Looks]:
+    """Each configuration of ``ok`` read on its own looks alone: the mean of their logs,
+    and its variance, their noise (``noise_var``, each look's) over the looks squared."""
+    logs: dict[BatchConfig, list[tuple[float, float]]] = {}
+    for o, var in zip(ok, noise_var, strict=True):
+        logs.setdefault(o.config, []).append((math.log(o.value), float(var)))
+    out = {}
+    for c, each in logs.items():
+        values, variances = zip(*each, strict=True)
+        out[c] = statistics.fmean(values), sum(variances) / len(values) ** 2
+    return out
+
+
 def own_looks_threat(
-    ok: Sequence[Observation], noise_var: np.ndarray, leader: BatchConfig, tolerance: float
+    looks: dict[BatchConfig, Looks], leader: BatchConfig, tolerance: float
 ) -> dict[BatchConfig, float]:
-    """For each configuration of ``ok``, the probability that it beats ``leader`` by more
-    than ``tolerance`` on the two's own looks alone: each the mean of the logs of its looks,
-    its variance their noise (``noise_var``, each look's) over the looks squared, the two
+    """For each configuration of ``looks`` (:func:`own_looks`), the probability that it
+    beats ``leader`` by more than ``tolerance`` on the two's own looks alone, the two
     independent. Where two configurations at different device counts look level, the
     model can still put them apart by its trend over the device counts, which a link tier
     breaks (bench/close_calls.py --landscape fewer-devices, seed 68: 4 and 2 devices at
     m = 16 each seen at 0.96 and 0.99 of the best, put 3% apart; 2 devices 8% faster):
     this reading is what their looks alone can tell (docs/confidence.md)."""
-    looks: dict[BatchConfig, list[tuple[float, float]]] = {}
-    for o, var in zip(ok, noise_var, strict=True):
-        looks.setdefault(o.config, []).append((math.log(o.value), float(var)))
-
-    def mean_and_variance(c: BatchConfig) -> tuple[float, float]:
-        logs, variances = zip(*looks[c], strict=True)
-        return statistics.fmean(logs), sum(variances) / len(logs) ** 2
-
-    lead, lead_var = mean_and_variance(leader)
+    lead, lead_var = looks[leader]
     ahead = -math.log(1 - tolerance)  # beats the leader by more than the tolerance
     out = {}
-    for c in looks:
-        mean, var = mean_and_variance(c)
+    for c, (mean, var) in looks.items():
         if c == leader or var + lead_var <= 0:  # looks without noise say it outright
             out[c] = float(c != leader and mean - lead > ahead)
             continue
