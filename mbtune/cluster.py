@@ -142,9 +142,6 @@ def prepare_ray(address: str | None) -> None:
     where the cluster wants the token at hand. Asked again, it checks again and says
     nothing new."""
     joining, flag = _joining(address)
-    if joining == "auto" and os.environ.get("RAY_ADDRESS", "auto") != "auto":
-        # ray.init's "auto" is RAY_ADDRESS first: the cluster is named there
-        joining, flag = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
     if joining and "://" in joining:
         raise MbtuneError(RAY_CLIENT_REFUSED.format(flag=flag, address=joining))
     if joining and joining != "auto":
@@ -153,9 +150,12 @@ def prepare_ray(address: str | None) -> None:
 
 def _joining(address: str | None) -> tuple[str | None, str]:
     """The cluster to join (``address``, else RAY_ADDRESS; None: an embedded Ray) and the
-    flag the user named it with, for errors."""
-    joining = address or os.environ.get("RAY_ADDRESS") or None
-    return joining, "--address" if address else "RAY_ADDRESS"
+    flag the user named it with, for errors. ``auto`` is RAY_ADDRESS where that names a
+    cluster, as ray.init reads it: checked (and given its token) as a named address."""
+    named = os.environ.get("RAY_ADDRESS") or None
+    if address == "auto" and named not in (None, "auto"):
+        return named, "RAY_ADDRESS"
+    return address or named, "--address" if address else "RAY_ADDRESS"
 
 
 def _shipped_code() -> dict[str, Any]:
