@@ -8,8 +8,10 @@ A phase travels from where it happens to where it is shown in three hops:
     driver: a thread polls the board and draws
 
 The board (a Ray actor on the driver's node, alive as long as the search) also holds the
-run's state as Ray metrics (mbtune.metrics): the driver tells it which trials run, and each
-finished trial with the recommendation after it, as it records them (:func:`recorded`).
+node each trial runs on, told by its trial actor before it measures (:func:`tell_node`): a
+trial whose node is lost never reports, yet its row names the node (:func:`node_of`). And
+the run's state as Ray metrics (mbtune.metrics): the driver tells it which trials run, and
+each finished trial with the recommendation after it, as it records them (:func:`recorded`).
 
 On a terminal the driver draws one line and rewrites it in place; anywhere else (a log, CI,
 ``ray job submit``) it prints a plain line for each trial still running every
@@ -39,7 +41,8 @@ from mbtune.runs.record import TrialRecord
 
 __all__ = [
     "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Board", "Display", "PhaseHook", "echo", "ended",
-    "forwarder", "one_trial", "phase_pipe", "phase_writer", "recorded", "shown", "started",
+    "forwarder", "node_of", "one_trial", "phase_pipe", "phase_writer", "recorded", "shown",
+    "started", "tell_node",
 ]  # fmt: skip
 
 PhaseHook = Callable[[str, int, int], None]
@@ -144,6 +147,34 @@ def forwarder() -> PhaseHook | None:
     return forward
 
 
+def tell_node(node_id: str) -> None:
+    """In a search's trial actor, before it measures: tell the board that ``node_id`` runs
+    this trial (waited on, so that a node lost later cannot lose the message). Outside a
+    search there is no one to tell."""
+    import ray
+    from ray import tune
+
+    try:
+        board = ray.get_actor(_board_name())
+        ray.get(board.ran_on.remote(tune.get_context().get_trial_id(), node_id), timeout=10)
+    except Exception:  # noqa: BLE001 - a row without its node is no reason to fail a trial
+        pass
+
+
+def node_of(trial_id: str) -> str | None:
+    """In the driver: the node ``trial_id`` said it ran on (None: it did not say, or there
+    is no board to ask)."""
+    board = _display.board if _display is not None else None
+    if board is None:
+        return None
+    import ray
+
+    try:
+        return ray.get(board.node_of.remote(trial_id), timeout=10)
+    except Exception:  # noqa: BLE001 - the reason is what matters
+        return None
+
+
 def _board_name() -> str:
     import ray
 
@@ -151,13 +182,15 @@ def _board_name() -> str:
 
 
 class Board:
-    """The latest phase of each running trial: a Ray actor in the driver's job, told by the
-    trial actors, read by the driver. With ``run``, the run's Ray metrics too: set from it
-    at once, then after each trial the driver records (:meth:`recorded`) and each change
-    in how many run (:meth:`running`)."""
+    """What the trial actors tell the driver while they run: the latest phase of each
+    running trial and the node each runs on. A Ray actor in the driver's job, on its node
+    (it outlives any other), read by the driver. With ``run``, the run's Ray metrics too:
+    set from it at once, then after each trial the driver records (:meth:`recorded`) and
+    each change in how many run (:meth:`running`)."""
 
     def __init__(self, run: RunState | None = None) -> None:
         self.phases: dict[str, tuple[str, int, int]] = {}
+        self.nodes: dict[str, str] = {}
         self.run, self.gauges = run, None
         if run is not None:
             try:
@@ -188,6 +221,12 @@ class Board:
 
     def forget(self, trial_id: str) -> None:
         self.phases.pop(trial_id, None)
+
+    def ran_on(self, trial_id: str, node_id: str) -> None:
+        self.nodes[trial_id] = node_id
+
+    def node_of(self, trial_id: str) -> str | None:
+        return self.nodes.pop(trial_id, None)
 
     def snapshot(self) -> dict[str, tuple[str, int, int]]:
         return dict(self.phases)
@@ -375,8 +414,9 @@ def shown(
             ray.kill(ray.get_actor(name))
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # on the driver's node: its metrics are served by the endpoint mbtune run prints
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # on the driver's node: it outlives any other, and its metrics are served by the
+        # endpoint mbtune run prints
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         try:
             display.board = (
                 ray.remote(Board)

@@ -41,7 +41,6 @@ __all__ = [
     "head_lost",
     "print_line",
     "settled_after",
-    "tell_node",
 ]
 
 LEDGER_LOCK = threading.Lock()
@@ -78,19 +77,12 @@ class TrialLog(Callback):
         """The confidence score reached its target and the leader was measured twice."""
         self._rows: list[TrialRecord] | None = []
         self._history: list[dict[str, Any]] | None = []
-        self._nodes: Any = None
-        """The TrialNodes actor (held: Ray ends an actor nobody holds); None before setup."""
         self._study: SearchStudy | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune saves the callbacks with its state; a resumed search reads the records back
         # from the run directory, which holds every trial finished since that save too
-        return {**self.__dict__, "_rows": None, "_history": None, "_nodes": None,
-                "_study": None}  # fmt: skip
-
-    def setup(self, **info):
-        # Tune calls it as a search starts or resumes, before any trial
-        self._nodes = start_trial_nodes()
+        return {**self.__dict__, "_rows": None, "_history": None, "_study": None}
 
     def _records(self) -> tuple[list[TrialRecord], list[dict[str, Any]]]:
         if self._rows is None or self._history is None:  # restored: read the run back
@@ -158,7 +150,7 @@ class TrialLog(Callback):
             "reason": "no result",
         }
         if crashed and result is None:
-            row["node_id"] = _node_of(trial, self._nodes)
+            row["node_id"] = progress.node_of(trial.trial_id)
             reason = _actor_failure(trial)
             # Ray says an actor is unavailable when its connection broke, as when its node
             # went away; it says so before its health checks have marked the node dead
@@ -221,67 +213,6 @@ def _is_lost(node_id: str | None, wait_s: float = NODE_DEATH_WAIT_S) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.5)
-
-
-# ---------------------------------------------------------------------------
-# where each trial runs: told by the trial itself, before it measures
-
-NODES = "mbtune-nodes-{job}"
-"""The TrialNodes actor's name: one per Ray job (the driver's; its trial actors are in it
-too), as the progress board's."""
-
-
-class TrialNodes:
-    """The node each trial of the search runs on, told by its trial actor before it
-    measures (:func:`tell_node`): a trial whose node is lost never reports, yet its row
-    names the node. A Ray actor on the driver's node, so that it outlives any other."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, str] = {}
-
-    def tell(self, trial_id: str, node_id: str) -> None:
-        self.nodes[trial_id] = node_id
-
-    def node_of(self, trial_id: str) -> str | None:
-        return self.nodes.pop(trial_id, None)
-
-
-def start_trial_nodes() -> Any:
-    """In the driver: this job's TrialNodes actor, started on this node (or the one an
-    earlier search of the job started)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return (
-        ray.remote(TrialNodes)
-        .options(name=_nodes_name(), get_if_exists=True, num_cpus=0, scheduling_strategy=here)
-        .remote()
-    )
-
-
-def tell_node(node_id: str) -> None:
-    """In a trial actor, before it measures: tell the search that ``node_id`` runs this
-    trial (waited on, so that a node lost later cannot lose the message). Outside a search
-    there is no one to tell."""
-    try:
-        nodes = ray.get_actor(_nodes_name())
-        ray.get(nodes.tell.remote(tune.get_context().get_trial_id(), node_id), timeout=10)
-    except Exception:  # noqa: BLE001 - a row without its node is no reason to fail a trial
-        pass
-
-
-def _node_of(trial: Any, nodes: Any) -> str | None:
-    """The node ``trial`` said it ran on (None: it did not say, or no one to ask)."""
-    if nodes is None:
-        return None
-    try:
-        return ray.get(nodes.node_of.remote(trial.trial_id), timeout=10)
-    except Exception:  # noqa: BLE001 - the reason is what matters
-        return None
-
-
-def _nodes_name() -> str:
-    return NODES.format(job=ray.get_runtime_context().get_job_id())
 
 
 class TrialProgress(Callback):

@@ -42,7 +42,6 @@ from mbtune.search._ledger import (
     TrialProgress,
     head_lost,
     print_line,
-    tell_node,
 )
 from mbtune.search._samplers import search_model, search_points
 from mbtune.search._searcher import make_searcher, pack_result
@@ -491,7 +490,7 @@ def _trainable(
         repeat=int(config.get("repeat", 0)),
     )
     node_id = ray.get_runtime_context().get_node_id()
-    tell_node(node_id)  # before it measures: a trial whose node is lost never reports
+    progress.tell_node(node_id)  # before it measures: a trial whose node is lost never reports
     measure = measure_with_ray_train if _is_ddp(experiment) else measure_in_subprocess
     result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
     tune.report(pack_result({**result, "node_id": node_id}))
