@@ -22,9 +22,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from local_cluster import LocalCluster, kill_session
+from trial_gate import TrialGate
 
 from mbtune.cluster import short_of
 from mbtune.runs.rundir import RunDir
@@ -322,22 +324,69 @@ def test_ray_client_addresses_are_refused_with_the_way_to_go(tmp_path, capsys, m
     assert not (tmp_path / "runs").exists()
 
 
+EMBEDDED_SEARCH = """
+import json, sys
+import mbtune.cluster as cluster
+from_init_ray = {}
+init_ray = cluster.init_ray
+
+def recorded(*args, **kwargs):  # as `mbtune run` starts its embedded Ray: what it imported
+    before = set(sys.modules)  # (Ray Tune, imported already, brings pydantic of its own)
+    answer = init_ray(*args, **kwargs)
+    from_init_ray["imported"] = [n for n in cluster.DASHBOARD_DEPENDENCIES
+                                 if n in sys.modules and n not in before]
+    return answer
+
+cluster.init_ray = recorded  # before the search's modules import it
+from mbtune.cli import main
+code = main(["run", "experiments/quickstart.yaml", "--dashboard", *sys.argv[1:]])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, **from_init_ray}))
+"""
+
+
 @pytest.mark.slow
-def test_the_dashboard_answers_on_loopback_while_a_search_runs(tmp_path):
-    held = Held(tmp_path, concurrent=1, sizes=(8,))
-    held.hold()
+def test_an_embedded_search_serves_its_dashboard_on_loopback_and_imports_no_torch(tmp_path):
+    """`mbtune run --dashboard` on an embedded Ray, its one trial held (tests/trial_gate.py).
+    The dashboard answers on 127.0.0.1 only, with the token, and knows the search's driver.
+    Only trial processes need torch (2 s to import): the driver that reads the experiment
+    and runs Tune does not load it, nor does Tune's default TensorBoard logger. And Ray asks
+    whether its dashboard can run by importing its dependencies into the driver; mbtune
+    answers from what is installed (mbtune.cluster): none of them is imported in the
+    driver, and Ray still starts its dashboard process and the node's agent in full (the
+    agent exports the metrics of docs/monitoring.md), not minimal."""
+    gate = TrialGate(tmp_path / "gate", passes=0)
     token = os.urandom(32).hex()
-    # an embedded Ray: token authentication is Ray's default; this token, not ~/.ray's
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # token authentication is Ray's default for an embedded Ray: this token, not ~/.ray's
+    env = {k: v for k, v in gate.env().items() if not k.startswith("RAY_")}
     env["RAY_AUTH_TOKEN"] = token
-    proc = held.start(str(held.file), "--dashboard", env=env)
+    sets = ["search.num_samples=1", "trial.compile=false", "trial.warmup_steps=0",
+            "trial.measure_steps=1", f"output_dir={tmp_path / 'runs'}"]  # fmt: skip
+    out = tmp_path / "stdout"
+    with out.open("w") as stdout, (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", EMBEDDED_SEARCH, *(f"--set={s}" for s in sets)],
+            stdout=stdout, stderr=stderr, env=env, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+
+    def said(prefix: str) -> list[str]:
+        return [x for x in out.read_text().splitlines() if x.startswith(prefix)]
+
+    def waiting(condition, what: str) -> None:
+        deadline = time.monotonic() + 180
+        while not condition():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                kill_session(proc.pid, signal.SIGKILL)
+                pytest.fail(f"{what}: never happened\n{out.read_text()[-3000:]}\n"
+                            f"{(tmp_path / 'stderr').read_text()[-3000:]}")  # fmt: skip
+            time.sleep(0.1)
+
     try:
-        wait_for(lambda: "mbtune dashboard: http://" in held.out(), "the dashboard URL", proc, held)
-        line = next(x for x in held.out().splitlines() if x.startswith("mbtune dashboard: "))
+        waiting(lambda: said("mbtune dashboard: http://"), "the dashboard URL")
+        [line] = said("mbtune dashboard: ")
         url = line.split()[2]
         host, port = url.removeprefix("http://").split(":")
         assert host == "127.0.0.1" and "`ray get-auth-token` prints it" in line
-        wait_for(lambda: held.started(), "a trial in flight", proc, held)
+        waiting(gate.held, "a trial held")
 
         def get(path: str, with_token: bool = True):
             headers = {"Authorization": f"Bearer {token}"} if with_token else {}
@@ -353,59 +402,27 @@ def test_the_dashboard_answers_on_loopback_while_a_search_runs(tmp_path):
 
         status, version = get("/api/version")
         assert status == 200 and json.loads(version)["ray_version"] == ray.__version__
-        # the search in flight is this Ray's: its driver is our mbtune process
+        # the search in flight is this Ray's: its driver is our process
         status, jobs = get("/api/jobs/")
         drivers = [j.get("driver_info") or {} for j in json.loads(jobs)]
         assert str(proc.pid) in [str(d.get("pid")) for d in drivers], jobs[:2000]
-        assert proc.poll() is None and not list(held.run_dir().glob("summary.json"))
+        assert proc.poll() is None and not list((tmp_path / "runs").glob("*/summary.json"))
         assert not answers_elsewhere(int(port))  # bound to loopback only
-        held.release()
-        assert proc.wait(timeout=240) == 0, held.err()[-3000:]
+        started = [" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(True)]
+        head, agent = ([c for c in started if f"/ray/dashboard/{name} " in c]
+                       for name in ("dashboard.py", "agent.py"))  # fmt: skip
+        assert len(head) == 1 and len(agent) == 1, started
+        assert "--minimal" not in head[0] and "--minimal" not in agent[0]
+        gate.release()
+        assert proc.wait(timeout=240) == 0, (tmp_path / "stderr").read_text()[-3000:]
     finally:
-        held.release()
-        stop(proc)
-    assert configs(RunDir(held.run_dir()).trials()) == [8]
-
-
-EMBEDDED_SEARCH = """
-import json, sys
-import psutil
-from mbtune.cluster import DASHBOARD_DEPENDENCIES, init_ray
-init_ray(None, False, False)  # as `mbtune run` starts its embedded Ray
-imported = [name for name in DASHBOARD_DEPENDENCIES if name in sys.modules]
-started = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-from mbtune.config.load import load_experiment
-from mbtune.search import run_search
-exp = load_experiment('experiments/quickstart.yaml', [
-    'trial.backend=replay', 'trial.table=bench/landscapes/gpt_cpu.csv',
-    'search.num_samples=2', 'output_dir=' + sys.argv[1]])
-run_search(exp, echo=lambda line: None)  # on that Ray
-print(json.dumps({"torch": "torch" in sys.modules, "imported": imported,
-                  "dashboards": [c for c in started if "/dashboard/" in c]}))
-"""
-
-
-@pytest.mark.slow
-def test_an_embedded_search_imports_neither_torch_nor_the_dashboards_dependencies(tmp_path):
-    """Only trial processes need torch (2 s to import): the driver that reads the
-    experiment and runs Tune does not load it, nor does Tune's default TensorBoard logger.
-    And Ray asks whether its dashboard can run by importing its dependencies into the
-    driver; mbtune answers from what is installed (mbtune.cluster): none of them is
-    imported in the driver, and Ray still starts its dashboard process and the node's
-    agent in full (the agent exports the metrics of docs/monitoring.md), not minimal."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([sys.executable, "-c", EMBEDDED_SEARCH, str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    [said] = [line for line in done.stdout.splitlines() if line.startswith('{"torch": ')]
-    started = json.loads(said)
-    assert started["torch"] is False, "torch was imported"
-    assert started["imported"] == []
-    head, agent = ([c for c in started["dashboards"] if f"/ray/dashboard/{name} " in c]
-                   for name in ("dashboard.py", "agent.py"))  # fmt: skip
-    assert len(head) == 1 and len(agent) == 1, started["dashboards"]
-    assert "--minimal" not in head[0] and "--minimal" not in agent[0]
+        gate.release()
+        kill_session(proc.pid, signal.SIGKILL)
+        proc.wait()
+    [ended] = said('{"code": ')
+    assert json.loads(ended) == {"code": 0, "torch": False, "imported": []}
+    [run] = (tmp_path / "runs").iterdir()
+    assert [r["status"] for r in RunDir(run).trials()] == ["ok"]
 
 
 def answers_elsewhere(port: int) -> bool:
