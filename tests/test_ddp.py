@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import csv
+import os
 import subprocess
 import sys
 import textwrap
@@ -192,6 +193,29 @@ def test_too_many_workers_for_the_cluster_is_an_error_that_says_what_to_change(r
         "4 ddp workers need 4 CPU (ray.cpus_per_trial = 1 per worker), but the Ray cluster "
         "has 2; lower ray.cpus_per_trial (a fraction shares a core) or num_devices"
     )
+
+
+def test_ray_train_polls_often_waits_no_longer_than_the_trial_and_watches_no_preemption(
+    monkeypatch,
+):
+    """What Ray Train reads from the caller's environment during a trial (and passes on to
+    its controller): set for the run only, a user's own health check and watcher kept."""
+    import time
+
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60")
+    with ddp._train_env(time.time() + 30):
+        assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"
+        assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+        assert 25 <= float(os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"]) <= 30
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
+    assert os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "60"
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+    with ddp._train_env(time.time() + 30):
+        assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "2"
+        assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
 
 
 # -- no hang: the pieces ------------------------------------------------------------------

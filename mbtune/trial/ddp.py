@@ -168,14 +168,19 @@ def _resources_problem(exp: Experiment, workers: int) -> str | None:
 @contextlib.contextmanager
 def _train_env(deadline: float) -> Iterator[None]:
     """Ray Train reads these from the caller's environment and passes them on to its
-    controller: poll the workers often, and wait for their resources no longer than the
-    trial may run. A user's own health-check setting is kept."""
+    controller: poll the workers often, wait for their resources no longer than the trial
+    may run, and start no preemption watcher (an actor per run that watches for draining
+    nodes so that a job can save a checkpoint and restart: a trial is one attempt that
+    saves nothing; 1.3 CPU-s a trial on this machine). A user's own setting of the
+    health check or the watcher is kept."""
     values = {
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
-            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S)
-        ),
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{max(1.0, deadline - time.time()):.0f}",
+        key: os.environ.get(key, default)
+        for key, default in (
+            ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S)),
+            ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
+        )
     }
+    values["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{max(1.0, deadline - time.time()):.0f}"
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
