@@ -39,13 +39,7 @@ from mbtune.search._samplers import (
     search_model,
     search_points,
 )
-from mbtune.search._searcher import (
-    METRIC,
-    MbtuneSearcher,
-    make_searcher,
-    pack_result,
-    unpack_result,
-)
+from mbtune.search._searcher import MbtuneSearcher, make_searcher
 from mbtune.search._signals import graceful_stop
 from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import (
@@ -56,6 +50,7 @@ from mbtune.search._stopping import (
     settled,
     strongest_rival,
 )
+from mbtune.trial.launch import METRIC, pack_result, unpack_result
 
 __all__ = [
     "METRIC",

@@ -28,10 +28,10 @@ from mbtune.recommend.reporter import Reporter
 from mbtune.report import trial_line
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, TRIAL_COLUMNS, RunDir
-from mbtune.search._searcher import unpack_result
 from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import settled
 from mbtune.search._study import SearchStudy
+from mbtune.trial.launch import unpack_result
 
 __all__ = [
     "LEDGER_LOCK",

@@ -44,19 +44,13 @@ from mbtune.search._ledger import (
     print_line,
 )
 from mbtune.search._samplers import search_model, search_points
-from mbtune.search._searcher import make_searcher, pack_result
+from mbtune.search._searcher import make_searcher
 from mbtune.search._signals import graceful_stop
 from mbtune.search._space import OptunaSpace
 from mbtune.search._stopping import end_reason, one_look_reason, settled
 from mbtune.search._study import STUDY_NAME, SearchStudy, records_of
-from mbtune.trial.launch import (
-    WarmAhead,
-    measure_in_subprocess,
-    measure_with_ray_train,
-    offer_ahead,
-)
+from mbtune.trial.launch import WarmAhead, trial_actor
 from mbtune.trial.screen import Screening, screen
-from mbtune.trial.trial import TrialRequest
 
 __all__ = [
     "RAY_DIR",
@@ -419,7 +413,7 @@ def _metrics_for(run: RunDir, exp: Experiment) -> metrics.RunState:
 def _trainable_for(exp: Experiment, warm_ahead: str | None = None) -> Any:
     # Tune puts the Experiment itself in Ray's object store (pickled): trials get it typed
     return tune.with_resources(
-        tune.with_parameters(_trainable, experiment=exp, cwd=os.getcwd(), warm_ahead=warm_ahead),
+        tune.with_parameters(trial_actor, experiment=exp, cwd=os.getcwd(), warm_ahead=warm_ahead),
         trial_resources(exp),
     )
 
@@ -432,10 +426,6 @@ def trial_resources(exp: Experiment) -> dict[str, float]:
     if exp.trial.parallel == "ddp":
         return {"cpu": 0, "gpu": 0, "memory": 1}
     return {"cpu": exp.ray.cpus_per_trial, "gpu": exp.gpus_per_trial}
-
-
-def _is_ddp(exp: Experiment) -> bool:
-    return exp.trial.parallel == "ddp"
 
 
 def _warm_start(searcher: Any, earlier: RunDir, exp: Experiment, points: list) -> int:
@@ -469,28 +459,3 @@ def measured(run: RunDir, space: OptunaSpace) -> list[TrialRecord]:
     except KeyError:
         return run.records()
     return records_of(study.get_trials(deepcopy=False), space)
-
-
-# ---------------------------------------------------------------------------
-# one trial, inside a Ray actor
-
-
-def _trainable(
-    config: dict[str, Any], *, experiment: Experiment, cwd: str, warm_ahead: str | None = None
-) -> None:
-    """Run one trial in a fresh process (ddp: a fresh Ray Train run) and report what it
-    measured, and where, to Tune; the search learns where before the trial measures.
-    ``config["repeat"]``: which measurement of the configuration this is (0: its first).
-    ``warm_ahead``: the warm parent the driver started for the first trial here, if any."""
-    if warm_ahead is not None:
-        offer_ahead(warm_ahead)
-    request = TrialRequest(
-        experiment=experiment,
-        config=BatchConfig.from_mapping(config),
-        repeat=int(config.get("repeat", 0)),
-    )
-    node_id = ray.get_runtime_context().get_node_id()
-    progress.tell_node(node_id)  # before it measures: a trial whose node is lost never reports
-    measure = measure_with_ray_train if _is_ddp(experiment) else measure_in_subprocess
-    result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
-    tune.report(pack_result({**result, "node_id": node_id}))

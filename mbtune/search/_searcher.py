@@ -1,5 +1,6 @@
 """The searcher Tune asks (:class:`MbtuneSearcher`): Ray Tune runs the trials, the run's
-Optuna study proposes them; and what a trial reports to Tune (:func:`pack_result`).
+Optuna study proposes them (what a trial reports to Tune is mbtune.trial.launch's
+:func:`~mbtune.trial.launch.pack_result`).
 
 Every trial Tune runs is a trial of the study, asked when it starts: the sampler's
 proposal (mbtune.search._samplers), or a configuration enqueued for it (a start point, or
@@ -12,7 +13,6 @@ answered from what was measured and the sampler asked again.
 
 from __future__ import annotations
 
-import json
 import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,38 +38,9 @@ from mbtune.search._study import (
     SearchStudy,
     config_attrs,
 )
+from mbtune.trial.launch import METRIC, unpack_result
 
-__all__ = [
-    "METRIC",
-    "MbtuneSearcher",
-    "make_searcher",
-    "pack_result",
-    "resume_line",
-    "unpack_result",
-]
-
-METRIC = "objective"
-"""The value every searcher maximises: the experiment's objective, 0 for a failed trial."""
-
-MEASURED = "measured"
-"""The key under which a trial reports everything it measured, as one JSON string."""
-
-
-def pack_result(result: dict[str, Any]) -> dict[str, Any]:
-    """What a trial reports to Tune: the objective, and the rest as one string.
-
-    Tune keeps running statistics for every numeric key of every result of every trial
-    for the whole search; one numeric key instead of thirty keeps the driver small.
-    """
-    return {METRIC: float(result.get(METRIC) or 0.0), MEASURED: json.dumps(result)}
-
-
-def unpack_result(result: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The trial's own result from what Tune hands back (a plain result passes through)."""
-    if result is None or MEASURED not in result:
-        return result
-    return json.loads(result[MEASURED])
-
+__all__ = ["MbtuneSearcher", "make_searcher", "resume_line"]
 
 MAX_CACHED_PROPOSALS = 200
 """Proposals in a row answered from the cache before the sampler counts as exhausted."""

@@ -10,7 +10,10 @@ between its trials); elsewhere, or where the warm parent cannot fork safely, it 
 ``python -m mbtune.trial``. With ``ddp`` the actor fits a Ray Train run instead, whose
 workers are the trial's own processes (mbtune.trial.ddp says why).
 
-Neither function imports torch: they run in the search's trial actor.
+:func:`trial_actor` is what the search's trial actor runs (Ray Tune's function trainable):
+here, not in mbtune.search, so that a trial actor imports what a trial needs and not the
+search's samplers, model and study (about 1 CPU-s less for each actor Tune starts). Nothing
+here imports torch: it runs in the trial actor.
 """
 
 from __future__ import annotations
@@ -29,23 +32,78 @@ from typing import IO, Any
 
 from mbtune import progress
 from mbtune.config.experiment import Experiment
+from mbtune.lattice import BatchConfig
 from mbtune.progress import PhaseHook
 from mbtune.trial.trial import TrialRequest, trial_metrics
 from mbtune.trial.warm import AHEAD_FLAG, Ended, WarmParent, spawn
 
 __all__ = [
     "KILL_GRACE_S",
+    "MEASURED",
+    "METRIC",
     "WarmAhead",
     "measure_in_subprocess",
     "measure_with_ray_train",
     "offer_ahead",
+    "pack_result",
     "preload_modules",
+    "trial_actor",
+    "unpack_result",
     "warm_trials",
 ]
 
 KILL_GRACE_S = 60.0
 """How long past ``trial.timeout_s`` a trial process that did not stop itself (stuck in C
 code, its alarm blocked) runs before the search kills it."""
+
+
+METRIC = "objective"
+"""The value every searcher maximises: the experiment's objective, 0 for a failed trial."""
+
+MEASURED = "measured"
+"""The key under which a trial reports everything it measured, as one JSON string."""
+
+
+def trial_actor(
+    config: dict[str, Any], *, experiment: Experiment, cwd: str, warm_ahead: str | None = None
+) -> None:
+    """In a search's trial actor: run one trial in a fresh process (ddp: a fresh Ray Train
+    run) and report what it measured, and where, to Tune; the search learns where before
+    the trial measures. ``config["repeat"]``: which measurement of the configuration this
+    is (0: its first). ``warm_ahead``: the warm parent the driver started for the first
+    trial here, if any."""
+    import ray
+    from ray import tune
+
+    if warm_ahead is not None:
+        offer_ahead(warm_ahead)
+    request = TrialRequest(
+        experiment=experiment,
+        config=BatchConfig.from_mapping(config),
+        repeat=int(config.get("repeat", 0)),
+    )
+    node_id = ray.get_runtime_context().get_node_id()
+    progress.tell_node(node_id)  # before it measures: a trial whose node is lost never reports
+    ddp = experiment.trial.parallel == "ddp"
+    measure = measure_with_ray_train if ddp else measure_in_subprocess
+    result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
+    tune.report(pack_result({**result, "node_id": node_id}))
+
+
+def pack_result(result: dict[str, Any]) -> dict[str, Any]:
+    """What a trial reports to Tune: the objective, and the rest as one string.
+
+    Tune keeps running statistics for every numeric key of every result of every trial
+    for the whole search; one numeric key instead of thirty keeps the driver small.
+    """
+    return {METRIC: float(result.get(METRIC) or 0.0), MEASURED: json.dumps(result)}
+
+
+def unpack_result(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The trial's own result from what Tune hands back (a plain result passes through)."""
+    if result is None or MEASURED not in result:
+        return result
+    return json.loads(result[MEASURED])
 
 
 def measure_with_ray_train(
