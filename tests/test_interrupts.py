@@ -115,6 +115,39 @@ def resume_and_check(run: Path, before: list[dict], ray: SharedRay | None = None
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
 
 
+def study_agrees_with_rows(run: Path) -> None:
+    """The run's Optuna study (what a resumed search reads: the sampler's state, the budget,
+    what was measured) after a stop or a kill and the resume: nothing in it left running,
+    every row of trials.csv a told trial, once, as trials.csv writes it."""
+    import optuna
+
+    from mbtune.runs.load import load_run_experiment
+    from mbtune.runs.rundir import RunDir
+    from mbtune.search import OptunaSpace, search_points
+    from mbtune.search._study import STUDY_NAME, records_of
+
+    url = f"sqlite:///{run / 'optuna.db'}"
+    trials = optuna.load_study(study_name=STUDY_NAME, storage=url).trials
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert all("status" in t.user_attrs for t in trials)
+    # a trial the kill caught between Optuna's ask and its configuration has no sizes
+    sized = [t for t in trials if t.user_attrs["status"] != "interrupted"]
+    assert all("batch_size" in t.user_attrs for t in sized)
+    interrupted = [t for t in trials if t.user_attrs["status"] == "interrupted"]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in interrupted)
+    rows = RunDir(run).records()  # every row of trials.csv is a told trial, once
+    # a trial the kill caught between its attributes and its tell is interrupted, and its
+    # row is learnt again as a trial of its own: count the others
+    told_trials = [t for t in sized if "trial" in t.user_attrs]
+    told = [t.user_attrs["trial"] for t in told_trials]
+    assert sorted(told) == [r.trial for r in rows]
+    assert {t.user_attrs["trial_id"] for t in told_trials} == {r.trial_id for r in rows}
+    # one record of what was measured: the study's, written as trials.csv writes it
+    exp = load_run_experiment(run)
+    measured = records_of(trials, OptunaSpace(search_points(exp)))
+    assert [r.to_row() for r in measured] == [r.to_row() for r in rows]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resume_completes_the_search(tmp_path):
     code, out, err, run = start_and_signal(tmp_path, signal.SIGTERM)
@@ -126,7 +159,9 @@ def test_sigterm_stops_cleanly_and_resume_completes_the_search(tmp_path):
     assert summary["status"] == "interrupted"
     before = rows(run)
     assert 3 <= len(before) < 11 and summary["trials"] == len(before)
+    study_agrees_with_rows(run)  # the run ended itself: nothing left running already
     resume_and_check(run, before)
+    study_agrees_with_rows(run)
 
 
 def second_writer_is_refused(run: Path) -> None:
