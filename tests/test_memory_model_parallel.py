@@ -2,6 +2,8 @@
 the activations in flight by schedule, rank 0's shard by part, the stages' blocks counted
 from a few as the whole trace counts them, and the search's screen over layouts."""
 
+import dataclasses
+import functools
 import json
 
 import pytest
@@ -11,6 +13,7 @@ from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
 from mbtune.trial import predict_stage
+from mbtune.trial import screen as screening_module
 from mbtune.trial.blocks import BASE_DEPTH
 from mbtune.trial.parallelize import ParallelDims, build_rank_model, model_parts
 from mbtune.trial.predict import predict_memory
@@ -21,6 +24,8 @@ from mbtune.trial.step import build_spec
 
 TINY_GPT = {"name": "gpt", "n_layer": 4, "n_head": 2, "d_model": 32, "seq_len": 16,
             "vocab_size": 64}  # fmt: skip
+LOGITS_GPT = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}
+"""A large vocabulary: the last stage's logits outweigh the rest of a stage's activations."""
 
 
 def raw(model: dict = TINY_GPT, *, t: int = 1, p: int = 1, n: int = 2, schedule="1f1b",
@@ -135,14 +140,25 @@ def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(tmp_path, capsys
     )
 
 
+@pytest.fixture(scope="module")
+def logits_split():
+    """LOGITS_GPT over p = 2 of 2 devices (B 16, m 2: g 8) predicted under a schedule, each
+    once for the tests that read it."""
+
+    @functools.cache
+    def predicted(schedule: str):
+        exp = parse_experiment(raw(LOGITS_GPT, p=2, schedule=schedule))
+        return predict_memory(exp, config_of(exp))
+
+    return predicted
+
+
 @pytest.mark.slow
-def test_the_last_stage_is_predicted_where_it_holds_more():
-    """A large vocabulary: the last stage's logits outweigh the first stage's two
-    micro-batches in flight under 1f1b; under gpipe the last holds all of them too."""
-    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}
+def test_the_last_stage_is_predicted_where_it_holds_more(logits_split):
+    """The last stage's logits outweigh the first stage's two micro-batches in flight under
+    1f1b; under gpipe the last holds all of them too."""
     for schedule in ("1f1b", "gpipe"):
-        exp = parse_experiment(raw(model, p=2, schedule=schedule))
-        predicted = predict_memory(exp, config_of(exp))
+        predicted = logits_split(schedule)
         assert predicted.share.pipeline_rank == 1, schedule
         assert predicted.share.stages == (1,)
 
@@ -158,10 +174,12 @@ def test_the_schedule_sets_the_activations_the_busiest_rank_holds():
 
 
 @pytest.mark.slow
-def test_a_deep_stage_counted_from_a_few_blocks_is_its_whole_trace():
-    """18 blocks: 9 a stage, traced with 3 and 4 and counted to it (4 micro-batches of 2:
-    few to trace)."""
-    exp = parse_experiment(raw({**TINY_GPT, "n_layer": 18}, b=8, p=2))
+def test_a_deep_stage_counted_from_a_few_blocks_is_its_whole_trace(monkeypatch):
+    """10 blocks: 5 a stage, traced with 3 and 4 and counted to it, here above 4 blocks
+    (CUT_ABOVE, 8 by default, would take 18 blocks and a third more time); 4 micro-batches
+    of 2: few to trace."""
+    monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
+    exp = parse_experiment(raw({**TINY_GPT, "n_layer": 10}, b=8, p=2))
     config = config_of(exp)
     cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
     assert cut.as_dict() == whole.as_dict()
@@ -187,52 +205,71 @@ def test_interleaved_stages_counted_from_a_few_blocks_are_their_whole_trace(monk
     assert chunks_in_flight(ParallelDims(1, 2, 1, "1f1b"), 2) == 2
 
 
-def test_the_last_stage_holds_its_logits_to_their_backward_pass():
+def test_the_last_stage_holds_its_logits_to_their_backward_pass(logits_split):
     """gpipe's last stage holds all 8 micro-batches to their backward passes: each one's
     logits (as torch's PipelineStage keeps a stage's output) and the loss's log-probabilities
     of them, 2 x 64 x 4,096 fp32 each (more than the rest of its activations)."""
-    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}
-    exp = parse_experiment(raw(model, p=2, schedule="gpipe"))
-    predicted = predict_memory(exp, config_of(exp))
+    predicted = logits_split("gpipe")
     assert (predicted.share.pipeline_rank, predicted.share.in_flight) == (1, 8)
     logits = 2 * 64 * 4096 * 4
     assert 2 * 8 * logits <= predicted.activations_bytes < 3 * 8 * logits
 
 
 @pytest.mark.slow
-def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts():
+def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts(monkeypatch):
     """A small Qwen2 split over t = 4 of 4 devices, sharded: its last backward pass's peak
     falls at another moment with 4 blocks than with 3 (its gathered parameters outgrow its
-    activations), so the cut traces' parts do not grow by a block's each: counted from 3
-    and 4 blocks it read 67.3 MiB; from 4 and 5, the whole trace's 53.9."""
+    activations), so the cut traces' parts do not grow by a block's each (of 12 blocks,
+    counted from 3 and 4 they read 67.3 MiB; from 4 and 5, the whole trace's 53.9). 6
+    blocks, cut above 4 (CUT_ABOVE, 8 by default, would take 9 blocks): counted from 4 and
+    5, once the peak moved from 3 to 4 and not from 4 to 5."""
     pytest.importorskip("transformers")
-    model = {"name": "hf:qwen2", "task": "causal-lm", "seq_len": 64, "num_hidden_layers": 12,
+    monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
+    moved, judge = [], predict_stage._moved  # whether the peak moved, cut trace by cut trace
+
+    def seen_moving(base, longer) -> bool:
+        moved.append(judge(base, longer))
+        return moved[-1]
+
+    monkeypatch.setattr(predict_stage, "_moved", seen_moving)
+    model = {"name": "hf:qwen2", "task": "causal-lm", "seq_len": 64, "num_hidden_layers": 6,
              "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
              "intermediate_size": 512, "vocab_size": 2048}  # fmt: skip
     written = raw(model, t=4, n=4, b=32, m=1, sharding="fsdp", parallel="ddp")
     written["trial"].update(device="cuda", precision="auto")  # bf16 gathered parameters
     exp = parse_experiment(written)
     config = config_of(exp)
-    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
-    assert cut.as_dict() == whole.as_dict()
+    cut = predict_memory(exp, config)
+    assert moved == [True, False]  # from 3 to 4 blocks; then not from 4 to 5
+    assert cut.as_dict() == predict_memory(exp, config, whole=True).as_dict()
 
 
 @pytest.mark.slow
-def test_the_screen_finds_every_layout_over_the_budget_and_no_other(tmp_path):
+def test_the_screen_finds_every_layout_over_the_budget_and_no_other(monkeypatch):
     """Each (n, layout)'s configurations on their own scale: the screen's verdicts are those
-    of predicting every configuration."""
-    model = {**TINY_GPT, "vocab_size": 4096, "seq_len": 64}  # the logits grow with m
-    sizes = {"b": 16, "m": 1, "n": 2}
+    of predicting every configuration (each predicted once: the screen and the verdict
+    below read the same predictions, its budget apart, which a prediction does not read)."""
+    sizes = {"b": 16, "m": 1, "n": 2}  # LOGITS_GPT: the logits grow with m
     space = {"search": {"space": {"micro_batch_size": [1, 4, 16], "tensor_parallel": [1, 2],
                                   "pipeline_parallel": [1, 2]}}}  # fmt: skip
-    free = parse_experiment({**raw(model, **sizes), **space})
+    free = parse_experiment({**raw(LOGITS_GPT, **sizes), **space})
     configs = free.configs()
     assert {c.layout[:2] for c in configs} == {(1, 1), (2, 1), (1, 2)}
-    peaks = {c: predict_memory(free, c).peak_memory_bytes for c in configs}
+    predicted = {c: predict_memory(free, c) for c in configs}
+    peaks = {c: p.peak_memory_bytes for c, p in predicted.items()}
+
+    def known(exp, config):
+        budgetless = dataclasses.replace(exp.trial, device_memory=None, memory_headroom=None)
+        assert (exp.model, budgetless) == (free.model, free.trial)
+        if config not in predicted:  # one the screen names otherwise (BatchConfig.canonical)
+            predicted[config] = predict_memory(exp, config)
+        return predicted[config]
+
+    monkeypatch.setattr(screening_module, "predict_memory", known)
     split = [peaks[c] for c in configs if c.layout[:2] != (1, 1)]
     budget = (min(split) + max(split)) // 2  # some of the split configurations over, some not
-    exp = parse_experiment({**raw(model, **sizes, device_memory=budget, memory_headroom=0.0),
-                            **space})  # fmt: skip
+    exp = parse_experiment({**raw(LOGITS_GPT, **sizes, device_memory=budget,
+                                  memory_headroom=0.0), **space})  # fmt: skip
     screening = screen(exp, configs)
     assert screening.failed is None
     over = {c for c, _ in screening.over}
