@@ -111,11 +111,14 @@ def test_a_model_that_cannot_be_cut_is_traced_whole(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_transformers_models_layers_are_its_run():
+    """Predicted for a card (fp32): a CPU's prediction adds the process's memory with
+    transformers' own, measured in a fresh process (5 CPU-s), the same to both sides and
+    none of the blocks' (tests/test_memory_prediction.py measures it)."""
     pytest.importorskip("transformers")
     llama = {"name": "hf:llama", "num_hidden_layers": 5, "hidden_size": 32,
              "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
              "vocab_size": 64, "seq_len": 16}  # fmt: skip
-    exp = experiment(llama, parallel="ddp", sharding="fsdp")
+    exp = experiment(llama, parallel="ddp", sharding="fsdp", device="cuda", precision="fp32")
     module = build_spec(exp, BatchConfig(16, 2, 2), meta=True).module
     assert repeated_blocks(module) == {"model.layers": 5}
     config = BatchConfig(16, 2, 2)
