@@ -101,12 +101,16 @@ def test_a_cuda_ddp_fsdp_experiment_needs_no_ray_section(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharding", "shards"), [("none", 1), ("fsdp", 2)])
-def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(sharding, shards):
+@pytest.mark.parametrize(("sharding", "shards", "layers"), [("none", 1, 4), ("fsdp", 2, 8)])
+def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(
+    sharding, shards, layers
+):
     # a card's AdamW is the multi-tensor one: its step holds the second moments' square
     # roots, one more copy of this rank's parameters (a 7B Llama on an H200 peaked there);
-    # a model whose parameters dwarf its activations peaks in that step
-    heavy = {**TINY_GPT, "n_layer": 8, "d_model": 256, "vocab_size": 64, "seq_len": 2}
+    # a model whose parameters dwarf its activations peaks in that step. Sharded, a block's
+    # all-gather is not divided: 4 blocks peak in the backward pass (AdamW's two moments
+    # alone at it), 8 in the step; unsharded, 4 (traced whole, not cut: half the time)
+    heavy = {**TINY_GPT, "n_layer": layers, "d_model": 256, "vocab_size": 64, "seq_len": 2}
     experiment = raw(heavy, precision="fp32", parallel="ddp", sharding=sharding)
     cpu = predict_memory(parse_experiment(experiment), BatchConfig(4, 2, 2))
     experiment["trial"]["device"] = "cuda"
@@ -182,6 +186,7 @@ def test_the_prediction_is_within_15_percent_of_a_measured_trial(tmp_path):
            "vocab_size": 2048}  # fmt: skip
     tiny = {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16,
             "vocab_size": 64}  # fmt: skip
+
     def predicted_step(model: dict) -> int:
         """The prediction less the process's own memory: what the step adds."""
         p = predict_memory(parse_experiment(raw(model)), BatchConfig(8, 2, 2))
