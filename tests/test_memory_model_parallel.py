@@ -15,6 +15,7 @@ from mbtune.lattice import BatchConfig
 from mbtune.trial import predict_stage
 from mbtune.trial import screen as screening_module
 from mbtune.trial.blocks import BASE_DEPTH
+from mbtune.trial.blocks import cut as cut_blocks
 from mbtune.trial.parallelize import ParallelDims, build_rank_model, model_parts
 from mbtune.trial.predict import predict_memory
 from mbtune.trial.predict_stage import chunks_in_flight, traced_micro_batches
@@ -173,16 +174,31 @@ def test_the_schedule_sets_the_activations_the_busiest_rank_holds():
     assert gpipe.activations_bytes > 2 * one.activations_bytes
 
 
+def cut_traces(monkeypatch) -> list[dict[str, int]]:
+    """The depths each trace of a split model's prediction cuts its runs of blocks to (the
+    whole model's, all its stages'), in the order they are traced."""
+    depths = []
+
+    def seen_cut(module, to: dict[str, int]):
+        depths.append(to)
+        return cut_blocks(module, to)
+
+    monkeypatch.setattr(predict_stage, "cut", seen_cut)
+    return depths
+
+
 @pytest.mark.slow
 def test_a_deep_stage_counted_from_a_few_blocks_is_its_whole_trace(monkeypatch):
     """10 blocks: 5 a stage, traced with 3 and 4 and counted to it, here above 4 blocks
     (CUT_ABOVE, 8 by default, would take 18 blocks and a third more time); 4 micro-batches
     of 2: few to trace."""
     monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
+    traced = cut_traces(monkeypatch)
     exp = parse_experiment(raw({**TINY_GPT, "n_layer": 10}, b=8, p=2))
     config = config_of(exp)
-    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
-    assert cut.as_dict() == whole.as_dict()
+    cut = predict_memory(exp, config)
+    assert traced == [{"blocks": 6}, {"blocks": 8}] * 2  # the first rank's, the last's
+    assert cut.as_dict() == predict_memory(exp, config, whole=True).as_dict()
 
 
 @pytest.mark.slow
@@ -194,11 +210,13 @@ def test_interleaved_stages_counted_from_a_few_blocks_are_their_whole_trace(monk
     part by part: the buffers of three of its stages' neighbours on the other rank, g each;
     the activations of 4 chunks in flight."""
     monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
+    traced = cut_traces(monkeypatch)
     model = {**TINY_GPT, "n_layer": 20}
     exp = parse_experiment(raw(model, b=4, p=2, schedule="interleaved_1f1b"))
     config = config_of(exp)
-    cut, whole = predict_memory(exp, config), predict_memory(exp, config, whole=True)
-    assert cut.as_dict() == whole.as_dict()
+    cut = predict_memory(exp, config)
+    assert traced == [{"blocks": 12}, {"blocks": 16}] * 2  # 3 and 4 a stage, on each rank
+    assert cut.as_dict() == predict_memory(exp, config, whole=True).as_dict()
     assert cut.share.num_stages == 4 and len(cut.share.stages) == 2
     assert cut.collective_buffers_bytes == 3 * 2 * (2 * 16 * 32 * 4)
     assert (cut.share.pipeline_rank, cut.share.in_flight) == (0, 4)
@@ -225,13 +243,7 @@ def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts(mon
     5, once the peak moved from 3 to 4 and not from 4 to 5."""
     pytest.importorskip("transformers")
     monkeypatch.setattr(predict_stage, "CUT_ABOVE", BASE_DEPTH + 1)
-    moved, judge = [], predict_stage._moved  # whether the peak moved, cut trace by cut trace
-
-    def seen_moving(base, longer) -> bool:
-        moved.append(judge(base, longer))
-        return moved[-1]
-
-    monkeypatch.setattr(predict_stage, "_moved", seen_moving)
+    traced = cut_traces(monkeypatch)
     model = {"name": "hf:qwen2", "task": "causal-lm", "seq_len": 64, "num_hidden_layers": 6,
              "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
              "intermediate_size": 512, "vocab_size": 2048}  # fmt: skip
@@ -240,7 +252,8 @@ def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts(mon
     exp = parse_experiment(written)
     config = config_of(exp)
     cut = predict_memory(exp, config)
-    assert moved == [True, False]  # from 3 to 4 blocks; then not from 4 to 5
+    # moved from 3 blocks to 4, so traced with 4 and 5, where it did not move again
+    assert traced == [{"model.layers": depth} for depth in (3, 4, 4, 5)]
     assert cut.as_dict() == predict_memory(exp, config, whole=True).as_dict()
 
 
