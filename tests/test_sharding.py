@@ -1,7 +1,7 @@
 """Sharded trials (trial.sharding: fsdp): the units each model is cut into, the init that
-equals the unsharded one, the step whose loss and gradients equal one process's, and
-trials on Ray Train whose workers hold only their shards (a built-in gpt, a transformers
-Llama built from its config)."""
+equals the unsharded one, the step whose loss and gradients equal one process's (a built-in
+gpt, a transformers Llama built from its config), and a trial on Ray Train whose workers
+hold only their shards."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from mbtune.config.load import parse_experiment
 from mbtune.config.trial import TrialConfig
 from mbtune.lattice import BatchConfig
+from mbtune.models.batch import slice_batch, split_batch
 from mbtune.models.build import build_model
 from mbtune.trial.sharding import mixed_precision, shard_units
 from mbtune.trial.trial import run_trial
@@ -68,48 +69,21 @@ def test_the_gpt_built_on_the_meta_device_has_no_memory_and_the_same_init_after(
 # -- two gloo ranks: the init and the step -------------------------------------------------
 
 
-def _sharded_rank(rank: int, world: int, init: str) -> None:
-    """FSDP on 2 ranks, 2 micro-batches each, against one process's full batch."""
-    import torch.distributed as dist
+LLAMA = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 128,
+         "seq_len": 16}  # fmt: skip
+"""A transformers Llama built from its config: sharded by its decoder layers."""
 
-    from mbtune.trial.sharding import FullyShardedGroup
-    from mbtune.trial.step import synced_step
+
+def _sharded_rank(rank: int, world: int, init: str) -> None:
+    """FSDP on 2 ranks, 2 micro-batches each, against one process's full batch: the gpt,
+    then a transformers Llama."""
+    import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        whole = build_model("gpt", GPT, seed=3)
-        with torch.device("meta"):
-            spec = build_model("gpt", GPT, seed=3)
-        trial = TrialConfig(parallel="ddp", sharding="fsdp", compile=False, precision="fp32")
-        group = FullyShardedGroup(CPU, trial, seed=3)
-        model = group.data_parallel(group.place(spec.module, CPU))
-        assert model.lm_head.weight is model.wte.weight  # still tied
-        # the init: each rank's shards are the unsharded init of the same seed
-        for (name, p), q in zip(model.named_parameters(), whole.module.parameters(), strict=True):
-            assert p.to_local().numel() < q.numel(), name  # a shard, not the whole
-            torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=0)
-
-        # the step: B = 8 over 2 ranks, 2 micro-batches of 2 each; the others unsynced
-        torch.manual_seed(1)
-        batch = whole.make_batch(8, CPU)
-        whole.loss_fn(whole.module, batch).backward()
-        with torch.no_grad():
-            full_loss = whole.loss_fn(whole.module, batch)
-        share = tuple(t[4 * rank : 4 * rank + 4] for t in batch)
-        micro = [tuple(t[a : a + 2] for t in share) for a in (0, 2)]
-        losses = []
-
-        def loss_fn(module, b):
-            value = spec.loss_fn(module, b)
-            losses.append(value.detach() * 2 / 8)  # its share of the global mean
-            return value
-
-        synced_step(loss_fn, model, micro, total=8 / world, no_sync=lambda: group.no_sync(model))
-        loss = torch.stack(losses).sum()
-        dist.all_reduce(loss)
-        torch.testing.assert_close(loss, full_loss, rtol=1e-4, atol=0)
-        for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
+        _sharded_step("gpt", GPT, rank, world)
+        _sharded_step("hf:llama", LLAMA, rank, world)
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
@@ -118,8 +92,58 @@ def _sharded_rank(rank: int, world: int, init: str) -> None:
     os._exit(0)
 
 
+def _sharded_step(model_name: str, options: dict, rank: int, world: int) -> None:
+    """Built on meta, sharded and materialized as a trial's rank does (mbtune.trial.sharding):
+    the gpt's shards are its unsharded init of the same seed, exactly (a transformers
+    model's own init is not: its shards are given the one process's values); one step of 2
+    micro-batches, the first unsynced, has one process's loss and gradients."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    from mbtune.trial.sharding import FullyShardedGroup
+    from mbtune.trial.step import synced_step
+
+    whole = build_model(model_name, options, seed=3)
+    with torch.device("meta"):
+        spec = build_model(model_name, options, seed=3)
+    trial = TrialConfig(parallel="ddp", sharding="fsdp", compile=False, precision="fp32")
+    group = FullyShardedGroup(CPU, trial, seed=3)
+    model = group.data_parallel(group.place(spec.module, CPU))
+    for (name, p), q in zip(model.named_parameters(), whole.module.parameters(), strict=True):
+        assert p.to_local().numel() < q.numel(), name  # a shard, not the whole
+        if model_name == "gpt":  # the init: the unsharded init of the same seed
+            torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=0)
+        else:
+            with torch.no_grad():
+                p.to_local().copy_(distribute_tensor(q, p.device_mesh, p.placements).to_local())
+    if model_name == "gpt":
+        assert model.lm_head.weight is model.wte.weight  # still tied
+
+    # the step: B = 8 over 2 ranks, 2 micro-batches of 2 each; the others unsynced
+    torch.manual_seed(1)
+    batch = whole.make_batch(8, CPU)
+    whole.loss_fn(whole.module, batch).backward()
+    with torch.no_grad():
+        full_loss = whole.loss_fn(whole.module, batch)
+    micro = split_batch(slice_batch(batch, 4 * rank, 4 * rank + 4), [2, 2])
+    losses = []
+
+    def loss_fn(module, b):
+        value = spec.loss_fn(module, b)
+        losses.append(value.detach() * 2 / 8)  # its share of the global mean
+        return value
+
+    synced_step(loss_fn, model, micro, total=8 / world, no_sync=lambda: group.no_sync(model))
+    loss = torch.stack(losses).sum()
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-4, atol=0)
+    for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_inits_and_steps_as_one_process(tmp_path):
+    pytest.importorskip("transformers")
     import torch.multiprocessing as mp
 
     mp.spawn(_sharded_rank, args=(2, f"file://{tmp_path}/pg"), nprocs=2, join=True)
@@ -172,19 +196,6 @@ def test_a_sharded_gpt_trial_has_one_processs_loss_and_each_worker_holds_much_le
     print(f"peak fsdp {sharded.peak_memory_bytes / 2**20:.0f} MiB, none "
           f"{whole.peak_memory_bytes / 2**20:.0f} MiB: {ratio:.2f}")  # fmt: skip
     assert ratio <= 0.8
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_transformers_llama_from_its_config_runs_sharded(ray_session):
-    pytest.importorskip("transformers")
-    llama = {"name": "hf:llama", "num_hidden_layers": 2, "hidden_size": 32,
-             "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "vocab_size": 128, "seq_len": 16}  # fmt: skip
-    # accumulation: B = 8, m = 2, g = 2 per worker, the first micro-batch unsynced
-    r = run_trial(_experiment(llama, "fsdp", batch_size=8), BatchConfig(8, 2, 2))
-    assert (r.status, r.reason, r.sharding, r.grad_accum_steps) == ("ok", None, "fsdp", 2)
-    assert r.flops_per_sample > 0
 
 
 # -- simulate: rank 0 of N alone on the fake process group ------------------------------
