@@ -346,8 +346,9 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules, **from_init_ray
 
 @pytest.mark.slow
 def test_an_embedded_search_serves_its_dashboard_on_loopback_and_imports_no_torch(tmp_path):
-    """`mbtune run --dashboard` on an embedded Ray, its one trial held (tests/trial_gate.py).
-    The dashboard answers on 127.0.0.1 only, with the token, and knows the search's driver.
+    """`mbtune run --dashboard` on an embedded Ray, its one trial held (tests/trial_gate.py),
+    forked from the warm parent the driver started ahead. The dashboard answers on 127.0.0.1
+    only, with the token, and knows the search's driver.
     Only trial processes need torch (2 s to import): the driver that reads the experiment
     and runs Tune does not load it, nor does Tune's default TensorBoard logger. And Ray asks
     whether its dashboard can run by importing its dependencies into the driver; mbtune
@@ -387,6 +388,11 @@ def test_an_embedded_search_serves_its_dashboard_on_loopback_and_imports_no_torc
         host, port = url.removeprefix("http://").split(":")
         assert host == "127.0.0.1" and "`ray get-auth-token` prints it" in line
         waiting(gate.held, "a trial held")
+        # the first trial of an embedded search is forked from the warm parent the driver
+        # started ahead (Ray's and Tune's variables told apart: it fits the trial's actor)
+        [held] = gate.held()
+        parent = " ".join(psutil.Process(held).parent().cmdline())
+        assert " -m mbtune.trial --warm-ahead " in parent, parent
 
         def get(path: str, with_token: bool = True):
             headers = {"Authorization": f"Bearer {token}"} if with_token else {}

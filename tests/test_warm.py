@@ -206,16 +206,6 @@ def test_a_trial_and_its_warm_parent_end_with_the_process_that_holds_them(tmp_pa
 
 # The warm parent started ahead by the search's driver (mbtune.trial.launch.WarmAhead).
 
-PARENTS = """
-import os
-from where import build as where
-
-def build():
-    with open('parents.txt', 'a') as f:
-        f.write(open(f'/proc/{os.getppid()}/cmdline').read().replace('\\0', ' ') + '\\n')
-    return where()
-"""
-
 
 @pytest.mark.slow
 def test_a_parent_started_ahead_serves_the_first_actor_that_fits_it(tmp_path, monkeypatch):
@@ -253,27 +243,3 @@ def test_an_actor_in_another_environment_starts_its_own_parent(tmp_path, monkeyp
         for parent in launch._IDLE:
             parent.close()
         ahead.close()
-
-
-@pytest.mark.slow
-def test_an_embedded_searchs_first_trial_forks_from_the_parent_started_ahead(tmp_path):
-    where_experiment(tmp_path)  # writes where.py
-    (tmp_path / "parents.py").write_text(PARENTS)
-    (tmp_path / "exp.yaml").write_text(json.dumps({
-        "name": "ahead",
-        "model": {"name": "parents:build"},
-        "train_input": {"batch_size": 4, "micro_batch_size": 2},
-        "search": {"num_samples": 1, "sampler": "grid"},
-        "trial": {"compile": False, "warmup_steps": 1, "measure_steps": 2},
-        "output_dir": str(tmp_path / "runs"),
-    }))  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "mbtune", "run", "exp.yaml"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    # the driver builds the model too (its shape, on the meta device): the trial's parent is
-    # the one that runs mbtune.trial
-    built = (tmp_path / "parents.txt").read_text().splitlines()
-    (parent,) = [line for line in built if "-m mbtune.trial " in line]
-    assert " --warm-ahead " in parent  # Ray's and Tune's variables told apart

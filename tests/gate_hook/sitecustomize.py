@@ -2,9 +2,10 @@
 start of every process. Under a gate (MBTUNE_TEST_GATE names its directory) each trial
 process takes one of the gate's passes or, none left, announces itself (``held-PID``) and
 holds while the gate's ``hold`` file exists: a cold trial (``python -m mbtune.trial``) at
-its start, a trial forked by a warm parent (``python -m mbtune.trial --warm ...``) as it
-is forked. Every other process, and every process without a gate, goes on at once; the
-hook starts no thread (a warm parent checks that it has only one before it forks)."""
+its start, a trial forked by a warm parent (``python -m mbtune.trial --warm ...``, or
+``--warm-ahead``: one the driver started ahead) as it is forked. Every other process, and
+every process without a gate, goes on at once; the hook starts no thread (a warm parent
+checks that it has only one before it forks)."""
 
 import os
 import sys
@@ -29,7 +30,7 @@ def _gate() -> None:
 
 
 if _GATE and sys.orig_argv[1:3] == ["-m", "mbtune.trial"]:
-    if sys.orig_argv[3:4] == ["--warm"]:
+    if sys.orig_argv[3:4] in (["--warm"], ["--warm-ahead"]):  # a warm parent, not a trial
         os.register_at_fork(after_in_child=_gate)  # each trial: a child forked here
     else:
         _gate()
