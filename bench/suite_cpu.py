@@ -8,8 +8,10 @@ since it started). A process is counted from its last sample (what it used after
 to a sampling period, is lost: a few percent for short processes); a process that started
 before the command is counted from its first sample only. Each is put in a kind by its
 command line (a Ray actor by its class name, ``ray::RayTrainWorker``; a Ray system process
-by its program; a trial process, an ``mbtune`` command, a spawned rank, pytest's workers).
-The machine's busy CPU-s come from psutil's system-wide CPU times around the command.
+by its program; a trial process, an ``mbtune`` command, a child started by multiprocessing,
+pytest's workers). The machine's busy CPU-s come from psutil's system-wide CPU times around
+the command. The sampling itself costs: the suite took about 5% longer under it (496 s
+against 461-465 s without it, at the same tests).
 
 The suite is CPU-bound on a 2-core machine: its wall time is about its CPU time over the
 cores it keeps busy, so this is where to look for what to cut. Run it on a quiet machine
@@ -43,7 +45,10 @@ KINDS = [  # (kind, a pattern its command line matches), the first that matches
     ("ray actor", re.compile(r"^ray::(\w+)")),
     ("pytest worker", re.compile(r"execnet|exec\(eval\(sys\.stdin")),
     ("pytest", re.compile(r"-m pytest")),
-    ("spawned rank", re.compile(r"multiprocessing\.spawn|multiprocessing\.forkserver")),
+    (
+        "multiprocessing child (gloo ranks, the screen)",
+        re.compile(r"multiprocessing\.spawn|multiprocessing\.forkserver"),
+    ),
     ("warm trial parent (started ahead)", re.compile(r"-m mbtune\.trial --warm-ahead")),
     ("trial (forked from a warm parent)", re.compile(r"-m mbtune\.trial --warm")),
     ("trial (a process of its own)", re.compile(r"-m mbtune\.trial")),
