@@ -8,7 +8,7 @@ A phase travels from where it happens to where it is shown in three hops:
     driver: a thread polls the board and draws
 
 The board (a Ray actor on the driver's node, alive as long as the search) also holds the
-node each trial runs on, told by its trial actor before it measures (:func:`tell_node`): a
+node each trial runs on, told by its trial actor before it measures (:func:`forwarder`): a
 trial whose node is lost never reports, yet its row names the node (:func:`node_of`). And
 the run's state as Ray metrics (mbtune.metrics): the driver tells it which trials run, and
 each finished trial with the recommendation after it, as it records them (:func:`recorded`).
@@ -42,7 +42,7 @@ from mbtune.runs.record import TrialRecord
 __all__ = [
     "PHASE_FD_FLAG", "PLAIN_EVERY_S", "Board", "Display", "PhaseHook", "echo", "ended",
     "forwarder", "node_of", "one_trial", "phase_pipe", "phase_writer", "recorded", "shown",
-    "started", "tell_node",
+    "started",
 ]  # fmt: skip
 
 PhaseHook = Callable[[str, int, int], None]
@@ -121,10 +121,12 @@ def phase_pipe(on_phase: PhaseHook | None) -> Iterator[tuple[list[str], tuple[in
         reader.join(timeout=2.0)  # a grandchild could hold the pipe open: do not wait on it
 
 
-def forwarder() -> PhaseHook | None:
-    """In a search's trial actor: a hook that passes phases on to the driver's board (a new
-    phase at once, a new step count of the same phase at most every FORWARD_EVERY_S); None
-    where there is no board (a trial outside a search)."""
+def forwarder(node_id: str) -> PhaseHook | None:
+    """In a search's trial actor, before it measures: tell the driver's board that
+    ``node_id`` runs this trial (waited on, so that a node lost later cannot lose the
+    message), and return a hook that passes phases on to the board (a new phase at once, a
+    new step count of the same phase at most every FORWARD_EVERY_S); None where there is
+    no board (a trial outside a search)."""
     import ray
     from ray import tune
 
@@ -135,6 +137,8 @@ def forwarder() -> PhaseHook | None:
         return None
     if trial_id is None:
         return None
+    with contextlib.suppress(Exception):  # a row without its node never fails a trial
+        ray.get(board.ran_on.remote(trial_id, node_id), timeout=10)
     last = ["", 0.0]
 
     def forward(phase: str, done: int, total: int) -> None:
@@ -145,20 +149,6 @@ def forwarder() -> PhaseHook | None:
         board.tell.remote(trial_id, phase, done, total)  # not waited on
 
     return forward
-
-
-def tell_node(node_id: str) -> None:
-    """In a search's trial actor, before it measures: tell the board that ``node_id`` runs
-    this trial (waited on, so that a node lost later cannot lose the message). Outside a
-    search there is no one to tell."""
-    import ray
-    from ray import tune
-
-    try:
-        board = ray.get_actor(_board_name())
-        ray.get(board.ran_on.remote(tune.get_context().get_trial_id(), node_id), timeout=10)
-    except Exception:  # noqa: BLE001 - a row without its node is no reason to fail a trial
-        pass
 
 
 def node_of(trial_id: str) -> str | None:

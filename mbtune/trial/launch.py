@@ -83,10 +83,11 @@ def trial_actor(
         repeat=int(config.get("repeat", 0)),
     )
     node_id = ray.get_runtime_context().get_node_id()
-    progress.tell_node(node_id)  # before it measures: a trial whose node is lost never reports
+    # the board learns the node now: a trial whose node is lost never reports
+    on_phase = progress.forwarder(node_id)  # the driver's line
     ddp = experiment.trial.parallel == "ddp"
     measure = measure_with_ray_train if ddp else measure_in_subprocess
-    result = measure(request, cwd=cwd, on_phase=progress.forwarder())  # the driver's line
+    result = measure(request, cwd=cwd, on_phase=on_phase)
     tune.report(pack_result({**result, "node_id": node_id}))
 
 
