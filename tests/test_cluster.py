@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TextIO
 
 import psutil
 import pytest
@@ -54,14 +55,31 @@ def build(gates):
 """
 
 
-class Held:
+class Output:
+    """A command's output, in files in ``dir`` (stdout, stderr)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def files(self) -> tuple[TextIO, TextIO]:
+        """The files to start the command with (its stdout, its stderr)."""
+        return (self.dir / "stdout").open("w"), (self.dir / "stderr").open("w")
+
+    def out(self) -> str:
+        return (self.dir / "stdout").read_text()
+
+    def err(self) -> str:
+        return (self.dir / "stderr").read_text()
+
+
+class Held(Output):
     """An experiment of the held model (by default its four micro-batch sizes), its hold
     and its run directory."""
 
     def __init__(
         self, tmp_path: Path, concurrent: int = 2, sizes: tuple[int, ...] = (1, 2, 4, 8)
     ) -> None:
-        self.dir = tmp_path
+        super().__init__(tmp_path)
         self.gates = tmp_path / "gates"
         self.gates.mkdir()
         (tmp_path / "held.py").write_text(textwrap.dedent(HELD))
@@ -100,23 +118,19 @@ class Held:
 
     def start(self, *args: str, env: dict[str, str]) -> subprocess.Popen:
         """`mbtune run` on this experiment; its output goes to files (read: out(), err())."""
-        out, err = (self.dir / "stdout").open("w"), (self.dir / "stderr").open("w")
+        out, err = self.files()
         return subprocess.Popen([*MBTUNE, "run", *args], stdout=out, stderr=err, env=env,
                                 cwd=self.dir, start_new_session=True)  # fmt: skip
 
-    def out(self) -> str:
-        return (self.dir / "stdout").read_text()
 
-    def err(self) -> str:
-        return (self.dir / "stderr").read_text()
-
-
-def wait_for(condition, what: str, proc: subprocess.Popen, held: Held, timeout: float = 120):
+def wait_for(
+    condition, what: str, proc: subprocess.Popen, output: Output, timeout: float = 120
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
-            pytest.fail(f"{what}: never happened\n{held.out()[-3000:]}\n{held.err()[-3000:]}")
+            pytest.fail(f"{what}: never happened\n{output.out()[-3000:]}\n{output.err()[-3000:]}")
         time.sleep(0.1)
 
 
@@ -362,32 +376,25 @@ def test_an_embedded_search_serves_its_dashboard_on_loopback_and_imports_no_torc
     env["RAY_AUTH_TOKEN"] = token
     sets = ["search.num_samples=1", "trial.compile=false", "trial.warmup_steps=0",
             "trial.measure_steps=1", f"output_dir={tmp_path / 'runs'}"]  # fmt: skip
-    out = tmp_path / "stdout"
-    with out.open("w") as stdout, (tmp_path / "stderr").open("w") as stderr:
+    output = Output(tmp_path)
+    stdout, stderr = output.files()
+    with stdout, stderr:
         proc = subprocess.Popen(
             [sys.executable, "-c", EMBEDDED_SEARCH, *(f"--set={s}" for s in sets)],
             stdout=stdout, stderr=stderr, env=env, cwd=ROOT, start_new_session=True,
         )  # fmt: skip
 
     def said(prefix: str) -> list[str]:
-        return [x for x in out.read_text().splitlines() if x.startswith(prefix)]
-
-    def waiting(condition, what: str) -> None:
-        deadline = time.monotonic() + 180
-        while not condition():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                kill_session(proc.pid, signal.SIGKILL)
-                pytest.fail(f"{what}: never happened\n{out.read_text()[-3000:]}\n"
-                            f"{(tmp_path / 'stderr').read_text()[-3000:]}")  # fmt: skip
-            time.sleep(0.1)
+        return [x for x in output.out().splitlines() if x.startswith(prefix)]
 
     try:
-        waiting(lambda: said("mbtune dashboard: http://"), "the dashboard URL")
+        wait_for(lambda: said("mbtune dashboard: http://"), "the dashboard URL", proc, output,
+                 timeout=180)  # fmt: skip
         [line] = said("mbtune dashboard: ")
         url = line.split()[2]
         host, port = url.removeprefix("http://").split(":")
         assert host == "127.0.0.1" and "`ray get-auth-token` prints it" in line
-        waiting(gate.held, "a trial held")
+        wait_for(gate.held, "a trial held", proc, output, timeout=180)
         # the first trial of an embedded search is forked from the warm parent the driver
         # started ahead (Ray's and Tune's variables told apart: it fits the trial's actor)
         [held] = gate.held()
@@ -420,11 +427,10 @@ def test_an_embedded_search_serves_its_dashboard_on_loopback_and_imports_no_torc
         assert len(head) == 1 and len(agent) == 1, started
         assert "--minimal" not in head[0] and "--minimal" not in agent[0]
         gate.release()
-        assert proc.wait(timeout=240) == 0, (tmp_path / "stderr").read_text()[-3000:]
+        assert proc.wait(timeout=240) == 0, output.err()[-3000:]
     finally:
         gate.release()
-        kill_session(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc)
     [ended] = said('{"code": ')
     assert json.loads(ended) == {"code": 0, "torch": False, "imported": []}
     [run] = (tmp_path / "runs").iterdir()
