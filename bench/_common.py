@@ -47,6 +47,13 @@ def _cpu_times() -> tuple[int, int]:
     return idle, sum(fields[:8])
 
 
+def busy_cpu_s() -> float:
+    """The CPU-seconds every CPU of the machine has been busy since boot (/proc/stat): read
+    before and after a command, how much CPU it and everything beside it used."""
+    idle, total = _cpu_times()
+    return (total - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_for_quiet(max_wait_s: float = 30.0, busy_below: float = 0.15) -> float | None:
     """Wait until the machine is nearly idle; return the busy share (0..1) last seen.
 

@@ -9,9 +9,9 @@ to a sampling period, is lost: a few percent for short processes); a process tha
 before the command is counted from its first sample only. Each is put in a kind by its
 command line (a Ray actor by its class name, ``ray::RayTrainWorker``; a Ray system process
 by its program; a trial process, an ``mbtune`` command, a child started by multiprocessing,
-pytest's workers). The machine's busy CPU-s come from psutil's system-wide CPU times around
-the command. The sampling itself costs: the suite took about 5% longer under it (496 s
-against 461-465 s without it, at the same tests).
+pytest's workers). The machine's busy CPU-s come from /proc/stat around the command (as
+the other benches read how busy the machine is). The sampling itself costs: the suite took
+about 5% longer under it (496 s against 461-465 s without it, at the same tests).
 
 The suite is CPU-bound on a 2-core machine: its wall time is about its CPU time over the
 cores it keeps busy, so this is where to look for what to cut. Run it on a quiet machine
@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine, save, table  # noqa: E402
+from _common import ROOT, busy_cpu_s, machine, save, table  # noqa: E402
 
 SUITE = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q"]
 
@@ -107,11 +107,6 @@ class Sampler(threading.Thread):
         return cpu, count
 
 
-def busy_s() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=0.3, help="seconds between samples")
@@ -121,12 +116,12 @@ def main() -> None:
     command = args.command or SUITE
     info = machine()
     sampler = Sampler(args.every)
-    since, busy0 = time.time(), busy_s()
+    since, busy0 = time.time(), busy_cpu_s()
     sampler.start()
     started = time.monotonic()
     code = subprocess.run(command, cwd=ROOT).returncode
     wall = time.monotonic() - started
-    busy = busy_s() - busy0
+    busy = busy_cpu_s() - busy0
     sampler.stop.set()
     sampler.join()
     cpu, count = sampler.by_kind(since)
