@@ -49,6 +49,10 @@ proposing the next (``suggest``). The driver's start-up: when its first line, it
 its end: the summary's first line and the command's exit after the last trial's end. One
 untimed quickstart per side first fills the compile cache. Medians per side, and after /
 before per round.
+
+``--processes --compile-off``: the trials arm only, with ``trial.compile=false`` (the
+quickstart arm is the compiled quickstart's, so it is left out): what a trial of an
+experiment that does not compile spends outside its steps.
 """
 
 from __future__ import annotations
@@ -130,14 +134,15 @@ def outside_s(wall_s: float, result: dict, warmup_steps: int) -> float | None:
     return wall_s - (result.get("compile_s") or 0.0) - steps / 1e3
 
 
-def process_side() -> None:
-    """One side's trials arm, in this process (its PYTHONPATH picks the side): JSON out."""
+def process_side(sets: list[str]) -> None:
+    """One side's trials arm, in this process (its PYTHONPATH picks the side), with the
+    quickstart's settings changed by ``sets`` (``--set`` items): JSON out."""
     import mbtune
     from mbtune.trial.launch import measure_in_subprocess
     from mbtune.trial.trial import TrialRequest
 
     tree = Path(mbtune.__file__).resolve().parents[1]  # the side's: ``python -m`` runs it
-    exp = load_experiment(QUICKSTART)
+    exp = load_experiment(QUICKSTART, sets)
     rows = []
     for config in PROCESS_CONFIGS:
         t0 = time.perf_counter()
@@ -160,9 +165,9 @@ def side_env(tree: Path, clock: Path | None = None) -> dict[str, str]:
     return env
 
 
-def trials_arm(tree: Path) -> list[dict]:
-    done = subprocess.run([sys.executable, __file__, "--side"], env=side_env(tree), cwd=ROOT,
-                          capture_output=True, text=True, check=True)  # fmt: skip
+def trials_arm(tree: Path, sets: list[str]) -> list[dict]:
+    done = subprocess.run([sys.executable, __file__, "--side", *sets], env=side_env(tree),
+                          cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -253,16 +258,24 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
-def side_figures(rounds: list[dict]) -> dict:
-    """One side's medians over its rounds."""
+def trials_figures(rounds: list[dict]) -> dict:
+    """One side's medians of its trials arm over its rounds."""
     trials = [r for rnd in rounds for r in rnd["trials"]]
-    clocked = [t for rnd in rounds for t in rnd["quickstart"]["clock"]]
     return {
         "trials_first_outside_s": _median([rnd["trials"][0]["outside_s"] for rnd in rounds]),
         "trials_later_outside_s": _median(
             [r["outside_s"] for rnd in rounds for r in rnd["trials"][1:]]
         ),  # fmt: skip
+        "trials_later_wall_s": _median([r["wall_s"] for rnd in rounds for r in rnd["trials"][1:]]),
         "trials_compile_s": _median([r["compile_s"] for r in trials]),
+    }
+
+
+def side_figures(rounds: list[dict]) -> dict:
+    """One side's medians over its rounds."""
+    clocked = [t for rnd in rounds for t in rnd["quickstart"]["clock"]]
+    return {
+        **trials_figures(rounds),
         "quickstart_wall_s": _median([rnd["quickstart"]["wall_s"] for rnd in rounds]),
         "quickstart_trials": _median([rnd["quickstart"]["trials"] for rnd in rounds]),
         "quickstart_outside_s": _median([t["outside_s"] for t in clocked]),
@@ -281,45 +294,54 @@ def side_figures(rounds: list[dict]) -> dict:
     }  # fmt: skip
 
 
-def processes(rounds: int, before: Path | None, after: Path) -> None:
+def processes(rounds: int, before: Path | None, after: Path, compile_off: bool) -> None:
     info = machine()
+    sets = ["trial.compile=false"] if compile_off else []
     sides = {"after": after, **({"before": before} if before else {})}
     for tree in sides.values():
         packaged = tree / "mbtune" / "search_spaces"  # as the editable install maps it
         if tree != ROOT and (tree / "search_spaces").is_dir() and not packaged.exists():
             packaged.symlink_to(Path("..") / "search_spaces")
     for tree in sides.values():
-        quickstart_arm(tree)  # untimed: the compile cache filled, the side's imports cached
+        if compile_off:
+            trials_arm(tree, sets)  # untimed: the side's imports cached
+        else:
+            quickstart_arm(tree)  # untimed: the compile cache filled, the side's imports cached
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for i in range(rounds):
         order = list(sides) if i % 2 else list(reversed(sides))
         for label in order:
             load = loadavg()
-            runs[label].append({"loadavg": load, "trials": trials_arm(sides[label]),
-                                "quickstart": quickstart_arm(sides[label])})  # fmt: skip
+            runs[label].append({"loadavg": load, "trials": trials_arm(sides[label], sets)})
+            if not compile_off:
+                runs[label][-1]["quickstart"] = quickstart_arm(sides[label])
             r = runs[label][-1]
-            print(f"round {i + 1} {label} (load {load}): trials outside "
-                  f"{[round(t['outside_s'] or -1, 2) for t in r['trials']]} s; quickstart "
-                  f"{r['quickstart']['wall_s']:.1f} s, {r['quickstart']['trials']} trials, "
-                  f"{r['quickstart']['recommended']} at {r['quickstart']['confidence']}",
-                  flush=True)  # fmt: skip
-    figures = {k: side_figures(v) for k, v in runs.items()}
+            said = f"round {i + 1} {label} (load {load}): trials outside " + str(
+                [round(t["outside_s"] or -1, 2) for t in r["trials"]]) + " s"  # fmt: skip
+            if not compile_off:
+                q = r["quickstart"]
+                said += (f"; quickstart {q['wall_s']:.1f} s, {q['trials']} trials, "
+                         f"{q['recommended']} at {q['confidence']}")  # fmt: skip
+            print(said, flush=True)
+    figures = {k: (trials_figures if compile_off else side_figures)(v) for k, v in runs.items()}
     print(table(["figure", *figures], [(name, *(f[name] for f in figures.values()))
                                        for name in figures["after"]]))  # fmt: skip
     paired = {}
     if before:
-        for arm, key in (
-            ("quickstart_wall_s", lambda r: r["quickstart"]["wall_s"]),
-            ("trials_wall_s", lambda r: sum(t["wall_s"] for t in r["trials"])),
-        ):
+        arms = [("trials_wall_s", lambda r: sum(t["wall_s"] for t in r["trials"]))]
+        if not compile_off:
+            arms.insert(0, ("quickstart_wall_s", lambda r: r["quickstart"]["wall_s"]))
+        for arm, key in arms:
             ratios = [key(a) / key(b) for a, b in zip(runs["after"], runs["before"], strict=True)]
             paired[arm] = {"after_over_before": ratios, "median": statistics.median(ratios)}
             print(
                 f"{arm}: after / before per round {[round(x, 2) for x in ratios]}, "
                 f"median {paired[arm]['median']:.2f}"
             )
-    path = save("trial_overhead_processes", info, {
-        "rounds": rounds, "before": str(before) if before else None, "after": str(after),
+    name = "trial_overhead_processes" + ("_compile_off" if compile_off else "")
+    path = save(name, info, {
+        "rounds": rounds, "sets": sets,
+        "before": str(before) if before else None, "after": str(after),
         "configs": [c.as_dict() for c in PROCESS_CONFIGS],
         "figures": figures, "paired": paired, "runs": runs,
     })  # fmt: skip
@@ -344,12 +366,18 @@ def main() -> None:
         "--after", type=Path, metavar="TREE", default=ROOT,
         help="with --processes: the code after (default: this tree)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile-off", action="store_true",
+        help="with --processes: the trials arm only, compile off",
+    )  # fmt: skip
     parser.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
-    opts = parser.parse_args()
+    opts, sets = parser.parse_known_args()
     if opts.side:
-        return process_side()
+        return process_side(sets)
+    if sets:
+        parser.error(f"unrecognized arguments: {' '.join(sets)}")
     if opts.processes:
-        return processes(opts.rounds, opts.before, opts.after)
+        return processes(opts.rounds, opts.before, opts.after, opts.compile_off)
     info = machine()
     exp = load_experiment(QUICKSTART, ["trial.compile=false"])
 
