@@ -1,11 +1,12 @@
 """Data-parallel trials (trial.parallel: ddp): the DDP step's gradients, what ddp refuses,
-the pieces that keep a failing run from hanging, and one whole search on Ray Train whose
-trials run, run out of memory on one rank, and lose a worker."""
+the pieces that keep a failing run from hanging, and one whole search on Ray Train, of a
+pipeline (p = 2), whose trials run, raise, run out of memory on one rank and lose a worker."""
 
 from __future__ import annotations
 
 import builtins
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from test_model_parallel import USER_MODEL
 
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
@@ -276,64 +278,67 @@ def test_an_out_of_memory_on_any_rank_outranks_a_dead_worker_and_collateral_erro
 
 # -- a whole search on Ray Train ----------------------------------------------------------
 
-# Fails on rank 1 only, and differently at each micro-batch size: runs at 2, runs out of
-# memory at 4 (inside the synchronised step, where the other rank waits in DDP's
-# all-reduce), and is SIGKILLed at 8.
-ONE_RANK_FAULTY = """
+# tests/test_model_parallel.py's stack model, split in two pipeline stages (1f1b); rank 1's
+# stage fails differently at each micro-batch size, in its forward pass, while rank 0 waits
+# for its gradient in a receive: raises at 1, runs at 2, runs out of memory at 4 and is
+# SIGKILLed at 8.
+FAULTY_STAGE = (
+    USER_MODEL.format(fail=1)
+    + """
+
 import os, signal
-import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-class OneRankFaulty(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-        self.calls = 0
 
-    def forward(self, x):
-        self.calls += 1
-        if dist.get_rank() == 1 and self.calls > 2:  # after the first (local) step
-            if x.shape[0] == 4:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            if x.shape[0] == 8:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.lin(x)
-
-def build():
-    return (OneRankFaulty(), lambda n, device: (torch.randn(n, 4, device=device),),
-            lambda module, batch: module(batch[0]).pow(2).mean())
+def fail(x):
+    if x.shape[0] == 1:
+        raise RuntimeError("this stage fails on purpose")
+    if x.shape[0] == 4:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if x.shape[0] == 8:
+        os.kill(os.getpid(), signal.SIGKILL)
 """
+)
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
+def test_a_pipeline_search_measures_and_records_an_error_an_oom_and_a_dead_worker_on_one_rank(
     ray_session, tmp_path, monkeypatch
 ):
-    (tmp_path / "one_rank_faulty.py").write_text(textwrap.dedent(ONE_RANK_FAULTY))
+    """Every way a Ray Train trial ends, in one search of four trials at once on 2 ranks
+    (p = 2): ok, with the one process's loss; an error, an out-of-memory and a dead worker
+    on rank 1 alone, each ending the whole group (a peer left hanging in its receive would
+    end only at the timeout), each a recorded row naming rank 1."""
+    (tmp_path / "faulty_stage.py").write_text(textwrap.dedent(FAULTY_STAGE))
     monkeypatch.chdir(tmp_path)  # the workers import the user model from here
     exp = parse_experiment(
         {
             "name": "ddp",
-            "model": {"name": "one_rank_faulty:build"},
+            "model": {"name": "faulty_stage:build"},
             "train_input": {"batch_size": 16, "micro_batch_size": "auto", "num_devices": 2},
             "search": {
-                "space": {"num_devices": [2], "micro_batch_size": [2, 4, 8]},
+                "space": {
+                    "num_devices": [2],
+                    "micro_batch_size": [1, 2, 4, 8],
+                    "pipeline_parallel": [2],
+                    "pipeline_schedule": ["1f1b"],
+                },
                 "sampler": "grid",
                 "confidence_target": 100,  # every configuration, once
                 "max_repeats": 1,
-            },
+            },  # fmt: skip
             "trial": {
                 "parallel": "ddp",
                 "device": "cpu",
+                "precision": "fp32",
                 "compile": False,
+                "eval": True,
                 "warmup_steps": 1,
-                "measure_steps": 3,
+                "measure_steps": 2,
                 "timeout_s": 120,
             },  # fmt: skip
-            # all three at once, their six workers sharing the two cores
-            "ray": {"max_concurrent_trials": 3, "cpus_per_trial": 0.3},
+            # all four at once, their eight workers sharing the two cores
+            "ray": {"max_concurrent_trials": 4, "cpus_per_trial": 0.25},
             "output_dir": str(tmp_path / "runs"),
         }
     )
@@ -342,18 +347,24 @@ def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
     outcome = run_search(exp, echo=lines.append)
     with outcome.run.trials_file.open(newline="") as f:
         rows = {int(r["micro_batch_size"]): r for r in csv.DictReader(f)}
-    assert sorted(rows) == [2, 4, 8] and len({r["trial_id"] for r in rows.values()}) == 3
+    assert sorted(rows) == [1, 2, 4, 8] and len({r["trial_id"] for r in rows.values()}) == 4
 
     ok = rows[2]
     assert ok["status"] == "ok", ok
     steps = [float(x) for x in ok["step_times_ms"].split()]
-    assert len(steps) == 3 and all(s > 0 for s in steps)
+    assert len(steps) == 2 and all(s > 0 for s in steps)
     assert float(ok["samples_per_s"]) == pytest.approx(
         16 / (float(ok["step_time_ms_median"]) / 1e3)
     )
-    assert float(ok["compute_time_ms"]) > 0 and float(ok["comm_time_ms"]) > 0
-    assert int(ok["grad_accum_steps"]) == 4 and float(ok["peak_memory_bytes"]) > 0
+    assert int(ok["grad_accum_steps"]) == 8 and float(ok["peak_memory_bytes"]) > 0
+    assert float(ok["eval_samples_per_s"]) > 0 and not ok["compile_fallback"]
+    trial = dataclasses.replace(exp.trial, parallel="simulate")
+    one = run_trial(dataclasses.replace(exp, trial=trial), BatchConfig(16, 1, 2))
+    assert float(ok["loss"]) == pytest.approx(one.loss, rel=1e-4)
 
+    assert rows[1]["status"] == "error"
+    raised = rows[1]["reason"]
+    assert raised.startswith("rank 1: ") and "this stage fails on purpose" in raised, raised
     assert (rows[4]["status"], rows[4]["reason"]) == (
         "oom", "rank 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     )  # fmt: skip
@@ -361,7 +372,7 @@ def test_a_ddp_search_measures_records_oom_on_one_rank_and_a_dead_worker(
     assert rows[8]["reason"].startswith("rank 1: the worker process died (SIGKILL")
     best = outcome.summary["recommended"]
     assert (best["micro_batch_size"], best["num_devices"]) == (2, 2)
-    assert any("3 trials finished (2 not ok)" in line for line in lines)
+    assert any("4 trials finished (3 not ok)" in line for line in lines)
     # Ray showed the dead worker's message without replacing print, which Tune's saved
     # state holds through the callbacks (its state could not be saved for --resume)
     assert builtins.print is print_before
