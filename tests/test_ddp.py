@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from ranks import spawn_ranks
 from test_model_parallel import USER_MODEL
 
 from mbtune.cli import main
@@ -87,10 +88,8 @@ def _offsets(sizes):
 
 @pytest.mark.slow
 def test_ddp_accumulation_gives_the_full_batch_gradient(tmp_path):
-    import torch.multiprocessing as mp
-
     # a rank's failed assertion is raised here, with the rank's own traceback
-    mp.spawn(_gradient_rank, args=(2, f"file://{tmp_path}/pg"), nprocs=2, join=True)
+    spawn_ranks(_gradient_rank, (2, f"file://{tmp_path}/pg"), nprocs=2)
 
 
 def test_each_rank_takes_its_share_in_even_micro_batches():

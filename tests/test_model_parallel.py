@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 from mbtune.config.load import parse_experiment
 from mbtune.config.model_options import ModelError
@@ -276,10 +277,7 @@ def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
 
 
 def _spawn(tmp_path, world: int, cases: list) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, f"file://{tmp_path}/pg", tmp_path, cases), nprocs=world,
-             join=True)  # fmt: skip
+    spawn_ranks(_rank, (world, f"file://{tmp_path}/pg", tmp_path, cases), nprocs=world)
     return json.loads((tmp_path / "found.json").read_text())
 
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 from mbtune.config.load import parse_experiment
 from mbtune.config.trial import TrialConfig
@@ -144,9 +145,7 @@ def _sharded_step(model_name: str, options: dict, rank: int, world: int) -> None
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_inits_and_steps_as_one_process(tmp_path):
     pytest.importorskip("transformers")
-    import torch.multiprocessing as mp
-
-    mp.spawn(_sharded_rank, args=(2, f"file://{tmp_path}/pg"), nprocs=2, join=True)
+    spawn_ranks(_sharded_rank, (2, f"file://{tmp_path}/pg"), nprocs=2)
 
 
 # -- trials on Ray Train -------------------------------------------------------------------
