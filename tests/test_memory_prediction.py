@@ -2,6 +2,8 @@
 prediction, a device that is not here, bad input in one line, the prediction against a
 measured trial, and no model memory spent on predicting it."""
 
+import dataclasses
+import functools
 import json
 import re
 import subprocess
@@ -15,6 +17,8 @@ from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
 from mbtune.models.build import build_model
+from mbtune.trial import predict
+from mbtune.trial import screen as screening_module
 from mbtune.trial.predict import CPU_PROCESS_BASELINE_BYTES, predict_memory
 from mbtune.trial.screen import predicted_oom
 
@@ -45,6 +49,38 @@ def memory(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+TINY_CONFIG = BatchConfig(4, 2, 2)  # raw's train_input
+
+
+@pytest.fixture(scope="module")
+def tiny_predicted():
+    """raw(**trial)'s experiment predicted at TINY_CONFIG, once for each ``trial`` (as
+    given) for the tests that read it."""
+
+    @functools.cache
+    def predicted(**trial) -> predict.MemoryPrediction:
+        return predict_memory(parse_experiment(raw(**trial)), TINY_CONFIG)
+
+    return predicted
+
+
+def answer_with(monkeypatch, module, prediction, **trial) -> list:
+    """``module``'s predict_memory answers ``prediction`` (tiny_predicted's, made once),
+    having checked that it was asked for that one: raw(**trial)'s model and trial, its
+    budget apart (a prediction does not read it), at TINY_CONFIG. The calls it answered."""
+    expected = parse_experiment(raw(**trial))
+    asked = []
+
+    def known(exp, config):
+        budgetless = dataclasses.replace(exp.trial, device_memory=None, memory_headroom=None)
+        assert (exp.model, budgetless, config) == (expected.model, expected.trial, TINY_CONFIG)
+        asked.append(config)
+        return prediction
+
+    monkeypatch.setattr(module, "predict_memory", known)
+    return asked
+
+
 def test_the_command_prints_one_object_with_the_parts_that_sum_to_the_peak(tmp_path, capsys):
     code, out, err = memory(capsys, write(tmp_path, raw()), "--json", "--batch-size", "8")
     assert code == 0
@@ -65,9 +101,11 @@ def test_the_command_prints_one_object_with_the_parts_that_sum_to_the_peak(tmp_p
     assert parts["process_baseline_bytes"] > 0  # and the CPU process's own memory
 
 
-def test_the_lines_name_every_part(tmp_path, capsys):
+def test_the_lines_name_every_part(tmp_path, capsys, monkeypatch, tiny_predicted):
+    # the command's own prediction is the compiling test's, made once
+    asked = answer_with(monkeypatch, predict, tiny_predicted(parallel="simulate"))
     code, out, _ = memory(capsys, write(tmp_path, raw()))
-    assert code == 0
+    assert (code, len(asked)) == (0, 1)
     assert out.startswith("predicted peak memory of one cpu device: ")
     for label in ["parameters", "gradients", "optimizer state", "activations",
                   "collective buffers", "process baseline"]:  # fmt: skip
@@ -122,12 +160,12 @@ def test_a_cards_optimizer_step_holds_a_temporary_the_size_of_the_parameters(
     assert card.peak_memory_bytes == states + card.activations_bytes + card.collective_buffers_bytes
 
 
-def test_sharding_over_more_devices_divides_the_optimizer_state():
+def test_sharding_over_more_devices_divides_the_optimizer_state(tiny_predicted):
     """FSDP2 on a fake process group: rank 0's shard of N, and its all-gather buffers."""
     exp = parse_experiment(raw(parallel="ddp", sharding="fsdp"))
-    two = predict_memory(exp, BatchConfig(4, 2, 2))
+    two = predict_memory(exp, TINY_CONFIG)
     four = predict_memory(exp, BatchConfig(8, 4, 2))
-    whole = predict_memory(parse_experiment(raw(parallel="ddp")), BatchConfig(4, 2, 2))
+    whole = tiny_predicted(parallel="ddp")  # the compiling test's eager ddp
     assert (two.sharding, whole.sharding) == ("fsdp", "none")
     assert two.num_parameters == four.num_parameters == whole.num_parameters
     assert two.optimizer_state_bytes == pytest.approx(2 * four.optimizer_state_bytes, rel=0.1)
@@ -225,10 +263,14 @@ def test_predicting_allocates_no_model_memory():
     assert rise < weights / 10, f"{rise / 2**20:.0f} MiB"
 
 
-def test_a_configuration_predicted_over_the_budget_is_an_oom_without_measuring():
+def test_a_configuration_predicted_over_the_budget_is_an_oom_without_measuring(
+    monkeypatch, tiny_predicted
+):
     """The tiny gpt's step is under 1 MiB over the 278 MiB baseline of one CPU process (a
-    search's trial, forked from a warm parent)."""
-    config = BatchConfig(4, 2, 2)
+    search's trial, forked from a warm parent). Both budgets' verdicts read the compiling
+    test's prediction (made once: a prediction does not read the budget)."""
+    asked = answer_with(monkeypatch, screening_module, tiny_predicted(parallel="simulate"))
+    config = TINY_CONFIG
     fits = parse_experiment(raw(device_memory="320MiB", memory_headroom=0.1))
     assert predicted_oom(fits, config) is None
     tight = parse_experiment(raw(device_memory="300MiB", memory_headroom=0.1))
@@ -236,6 +278,7 @@ def test_a_configuration_predicted_over_the_budget_is_an_oom_without_measuring()
     assert status == "oom"
     assert reason.startswith("predicted: peak memory 278 MiB fits in the budget "), reason
     assert predicted_oom(parse_experiment(raw()), config) is None  # no budget on the CPU
+    assert asked == [config, config]  # fits and tight: each predicted
 
 
 @pytest.mark.slow
@@ -252,13 +295,13 @@ def test_a_transformers_model_adds_its_librarys_memory_to_the_cpu_baseline():
 
 
 @pytest.mark.parametrize("parallel", ["simulate", "ddp"])
-def test_compiling_adds_to_the_process_and_nothing_to_the_step(parallel):
+def test_compiling_adds_to_the_process_and_nothing_to_the_step(parallel, tiny_predicted):
     """Compiling costs a CPU process memory of its own (CPU_COMPILE_BYTES, measured by
     bench/memory_prediction.py --baseline); what the step adds over the process, the
-    model's states and activations, is predicted the same compiled or not."""
-    config = BatchConfig(4, 2, 2)
-    eager = predict_memory(parse_experiment(raw(parallel=parallel)), config)
-    compiled = predict_memory(parse_experiment(raw(parallel=parallel, compile=True)), config)
+    model's states and activations, is predicted the same compiled or not (each predicted
+    on its own: the eager one is shared with the tests that read it)."""
+    eager = tiny_predicted(parallel=parallel)
+    compiled = tiny_predicted(parallel=parallel, compile=True)
     assert compiled.process_baseline_bytes > eager.process_baseline_bytes
     step = [p.peak_memory_bytes - p.process_baseline_bytes for p in (eager, compiled)]
     assert step[0] == step[1] > 0
