@@ -102,7 +102,9 @@ def clean(output: str) -> None:
     assert "Traceback" not in output and " ERROR " not in output, output[-3000:]
 
 
-def resume_and_check(run: Path, before: list[dict], ray: SharedRay | None = None) -> None:
+def resume_and_check(run: Path, before: list[dict], ray: SharedRay | None = None) -> str:
+    """``mbtune run --resume`` completes the search: nothing finished lost or rewritten,
+    every configuration once. What it printed."""
     done = subprocess.run([MBTUNE, "run", "--resume", str(run), *joining(ray)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -113,6 +115,16 @@ def resume_and_check(run: Path, before: list[dict], ray: SharedRay | None = None
     assert len(configs) == len(set(configs)) == 11  # nothing repeated, nothing missing
     assert len({r["trial_id"] for r in after}) == 11
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    return done.stdout
+
+
+def resumed_from(stdout: str, before: list[dict]) -> None:
+    """A resume says once what it kept: the rows that were on disk, and the trials a kill
+    caught in flight, measured again."""
+    resumed = [x for x in stdout.splitlines() if x.startswith("mbtune: resuming: ")]
+    assert resumed == [f"mbtune: resuming: {len(before)} trials finished"] or (
+        len(resumed) == 1 and resumed[0].endswith("interrupted, measured again")
+    ), stdout
 
 
 def study_agrees_with_rows(run: Path) -> None:
@@ -245,8 +257,13 @@ def recomputed(run: Path) -> dict | None:
 def killed_at(tmp_path: Path, after_rows: int, ray: SharedRay | None = None) -> None:
     """A driver SIGKILLed after ``after_rows`` trials loses no finished trial and leaves no
     summary; while another process holds the run directory a second writer is refused; the
-    resume completes the search, to the answer its trials give."""
-    code, _, _, run = start_and_signal(tmp_path, signal.SIGKILL, after_rows=after_rows, ray=ray)
+    resume completes the search, to the answer its trials give, and its Optuna study agrees
+    with trials.csv. The search model's sampler (mbtune's default) proposes: after a kill, its
+    study is ahead of what Ray saved, and the model reads it to propose (the grid's and
+    Optuna's samplers: the SIGTERM test, tests/test_optuna_study.py's killed tpe run)."""
+    code, _, _, run = start_and_signal(
+        tmp_path, signal.SIGKILL, after_rows=after_rows, ray=ray, sampler="model"
+    )
     assert code == -signal.SIGKILL
     before = rows(run)
     assert len(before) == after_rows  # what had finished was on disk when the kill came
@@ -262,9 +279,11 @@ def killed_at(tmp_path: Path, after_rows: int, ray: SharedRay | None = None) -> 
         return
     second_writer_is_refused(run)
     # the holder was SIGKILLed: its lock is gone, and the resume completes the search
-    resume_and_check(run, before, ray)  # nothing lost, nothing measured twice, no traceback
+    # nothing lost, nothing measured twice, no traceback
+    resumed_from(resume_and_check(run, before, ray), before)
     summary = json.loads((run / "summary.json").read_text())
     assert recomputed(run) == summary["recommended"]
+    study_agrees_with_rows(run)  # told of rows Ray never saved, never told them twice
 
 
 @pytest.mark.slow
