@@ -1,10 +1,11 @@
 """`mbtune watch RUN_DIR`: a run directory followed as it is written, row by row; the end
-of a live replay search; a bad path."""
+of a live replay search (whose piped output has no progress line); a bad path."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import time
 import types
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from rundirs import make_run, recommendation_record, trial_row
 from test_interrupts import MBTUNE, experiment, joining
+from test_progress import STAMP
 from trial_gate import TrialGate
 
 from mbtune.analysis import watch as watch_module
@@ -204,6 +206,11 @@ def test_watch_follows_a_live_replay_search_to_its_end(tmp_path, capsys, monkeyp
         gate.release()
         search.kill()
     assert search.returncode == 0, err[-2000:]
+    # piped, the search prints no progress line (its running trials held at the gate and
+    # telling their phase; on a terminal: tests/test_progress.py), only each trial's line
+    assert "\r" not in stream and "\x1b" not in stream
+    assert "starting" not in stream and "replaying" not in stream, stream
+    assert re.search(STAMP + r"trial   1  num_devices 1, .*samples/s  ok\n", stream), stream
     streamed = [x for x in stream.splitlines() if "recommended micro_batch_size:" in x]
     views = [v.splitlines() for v in out.split("\n\n") if v]
     assert views[-1][1] == streamed[-1]  # the final recommendation, as the stream said it
