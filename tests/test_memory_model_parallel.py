@@ -12,7 +12,7 @@ import yaml
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
 from mbtune.lattice import BatchConfig
-from mbtune.trial import predict_stage
+from mbtune.trial import predict, predict_stage
 from mbtune.trial import screen as screening_module
 from mbtune.trial.blocks import BASE_DEPTH
 from mbtune.trial.blocks import cut as cut_blocks
@@ -114,12 +114,24 @@ def stage_parameter_bytes(exp, config, stage: int) -> int:
 
 
 @pytest.mark.parametrize("layout", [{"t": 2}, {"p": 2}])
-def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(tmp_path, capsys, layout):
+def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(
+    tmp_path, capsys, monkeypatch, split_p2, layout
+):
     path = tmp_path / "e.yaml"
     path.write_text(yaml.safe_dump(raw(**layout)))
-    assert main(["memory", str(path), "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
     exp = parse_experiment(raw(**layout))
+    asked = []
+    if "p" in layout:  # the schedule test's prediction of this experiment (1f1b), made once
+
+        def known(given, config):
+            assert (given.model, given.trial, config) == (exp.model, exp.trial, config_of(exp))
+            asked.append(config)
+            return split_p2(TINY_GPT, "1f1b")
+
+        monkeypatch.setattr(predict, "predict_memory", known)
+    assert main(["memory", str(path), "--json"]) == 0
+    assert len(asked) == ("p" in layout)
+    got = json.loads(capsys.readouterr().out)
     rank = got["rank"]
     assert rank["num_stages"] == layout.get("p", 1)
     assert rank["stages"] == [rank["pipeline_rank"]]  # 1f1b: a stage a rank
@@ -142,33 +154,32 @@ def test_mbtune_memory_gives_the_busiest_ranks_shard_and_stages(tmp_path, capsys
 
 
 @pytest.fixture(scope="module")
-def logits_split():
-    """LOGITS_GPT over p = 2 of 2 devices (B 16, m 2: g 8) predicted under a schedule, each
-    once for the tests that read it."""
+def split_p2():
+    """A gpt (TINY_GPT, LOGITS_GPT) over p = 2 of 2 devices (B 16, m 2: g 8) predicted under
+    a schedule, each once for the tests that read it: ``split_p2(model, schedule)``."""
 
     @functools.cache
-    def predicted(schedule: str):
-        exp = parse_experiment(raw(LOGITS_GPT, p=2, schedule=schedule))
+    def predicted(model: tuple, schedule: str):
+        exp = parse_experiment(raw(dict(model), p=2, schedule=schedule))
         return predict_memory(exp, config_of(exp))
 
-    return predicted
+    return lambda model, schedule: predicted(tuple(model.items()), schedule)
 
 
 @pytest.mark.slow
-def test_the_last_stage_is_predicted_where_it_holds_more(logits_split):
+def test_the_last_stage_is_predicted_where_it_holds_more(split_p2):
     """The last stage's logits outweigh the first stage's two micro-batches in flight under
     1f1b; under gpipe the last holds all of them too."""
     for schedule in ("1f1b", "gpipe"):
-        predicted = logits_split(schedule)
+        predicted = split_p2(LOGITS_GPT, schedule)
         assert predicted.share.pipeline_rank == 1, schedule
         assert predicted.share.stages == (1,)
 
 
-def test_the_schedule_sets_the_activations_the_busiest_rank_holds():
+def test_the_schedule_sets_the_activations_the_busiest_rank_holds(split_p2):
     """gpipe holds all 8 micro-batches' activations (its last stage, with the logits, the
     busiest), 1f1b two on its first stage."""
-    exps = [parse_experiment(raw(p=2, schedule=s)) for s in ("gpipe", "1f1b")]
-    gpipe, one = (predict_memory(exp, config_of(exp)) for exp in exps)
+    gpipe, one = (split_p2(TINY_GPT, schedule) for schedule in ("gpipe", "1f1b"))
     assert (gpipe.share.in_flight, one.share.in_flight) == (8, 2)
     assert (gpipe.share.pipeline_rank, one.share.pipeline_rank) == (1, 0)
     assert gpipe.activations_bytes > 2 * one.activations_bytes
@@ -223,11 +234,11 @@ def test_interleaved_stages_counted_from_a_few_blocks_are_their_whole_trace(monk
     assert chunks_in_flight(ParallelDims(1, 2, 1, "1f1b"), 2) == 2
 
 
-def test_the_last_stage_holds_its_logits_to_their_backward_pass(logits_split):
+def test_the_last_stage_holds_its_logits_to_their_backward_pass(split_p2):
     """gpipe's last stage holds all 8 micro-batches to their backward passes: each one's
     logits (as torch's PipelineStage keeps a stage's output) and the loss's log-probabilities
     of them, 2 x 64 x 4,096 fp32 each (more than the rest of its activations)."""
-    predicted = logits_split("gpipe")
+    predicted = split_p2(LOGITS_GPT, "gpipe")
     assert (predicted.share.pipeline_rank, predicted.share.in_flight) == (1, 8)
     logits = 2 * 64 * 4096 * 4
     assert 2 * 8 * logits <= predicted.activations_bytes < 3 * 8 * logits
@@ -252,8 +263,9 @@ def test_a_stage_whose_peak_moves_with_its_depth_is_counted_from_deeper_cuts(mon
     exp = parse_experiment(written)
     config = config_of(exp)
     cut = predict_memory(exp, config)
-    # moved from 3 blocks to 4, so traced with 4 and 5, where it did not move again
-    assert traced == [{"model.layers": depth} for depth in (3, 4, 4, 5)]
+    # moved from 3 blocks to 4, so counted from 4 and 5, where it did not move again (the
+    # cut of 4 traced once, for both pairs)
+    assert traced == [{"model.layers": depth} for depth in (3, 4, 5)]
     assert cut.as_dict() == predict_memory(exp, config, whole=True).as_dict()
 
 

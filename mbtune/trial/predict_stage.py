@@ -222,10 +222,12 @@ def _counted(
     (mbtune.trial.blocks.scaled_parts), or None where they cannot be: traced with BASE_DEPTH
     blocks a stage and one more, and where a computation's peak moved between them
     (:func:`_moved`), with one block more each (its peak then at the moment that outgrew
-    the other, as with every block after), then no more."""
+    the other, as with every block after), then no more. Each distinct cut is traced once
+    (BASE_DEPTH + 1 blocks is the deeper trace of the first pair and the base of the second)."""
+    traced: dict[tuple[tuple[str, int], ...], list[dict[str, int]]] = {}
     for shift in (0, 1):
         cuts: list[list[dict[str, int]]] = []  # the cut traces' candidates, in turn
-        deeper = functools.partial(_deeper, trace, shift, cuts)
+        deeper = functools.partial(_deeper, trace, shift, cuts, traced)
         peaks = scaled_parts({name: n - shift for name, n in split.items()}, deeper)
         if not _moved(*cuts):
             return peaks
@@ -234,10 +236,15 @@ def _counted(
 
 def _deeper(
     trace: Callable[[dict[str, int]], list[dict[str, int]]], shift: int,
-    cuts: list[list[dict[str, int]]], depths: dict[str, int],
+    cuts: list[list[dict[str, int]]], traced: dict[tuple[tuple[str, int], ...], Any],
+    depths: dict[str, int],
 ) -> list[dict[str, int]]:  # fmt: skip
-    """``trace`` of ``shift`` blocks more a stage than ``depths``, kept in ``cuts``."""
-    cuts.append(trace({name: depth + shift for name, depth in depths.items()}))
+    """``trace`` of ``shift`` blocks more a stage than ``depths``, kept in ``cuts``; a cut
+    ``traced`` already is read from it (the candidates are only read, never changed)."""
+    key = tuple(sorted((name, depth + shift) for name, depth in depths.items()))
+    if key not in traced:
+        traced[key] = trace(dict(key))
+    cuts.append(traced[key])
     return cuts[-1]
 
 
