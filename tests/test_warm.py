@@ -76,39 +76,6 @@ def lines(path: Path) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_each_trial_is_a_fresh_child_of_one_warm_parent(tmp_path):
-    request = where_experiment(tmp_path)
-    for _ in range(2):
-        result = measure_in_subprocess(request, cwd=str(tmp_path))
-        assert result["status"] == "ok", result["reason"]
-    built, imported = lines(tmp_path / "built.jsonl"), lines(tmp_path / "imported.jsonl")
-    (first, parent, _), (second, parent_again, _) = built
-    assert first != second and parent == parent_again != os.getpid()  # one warm parent
-    # the user's module is imported in each child, never in the parent, and nothing one
-    # trial built is left in the next
-    assert [pid for pid, _ in imported] == [first, second]
-    assert [count for *_, count in built] == [1, 1]
-
-
-@pytest.mark.slow
-def test_a_compiling_trial_inherits_the_compilers_probes(tmp_path):
-    # the CPU's vector instructions, which inductor probes by building and loading a test
-    # kernel in subprocesses (about 1 s), are known before the fork: the child's cache of
-    # them is full as it builds its model, before it compiles anything
-    (tmp_path / "probed.py").write_text(
-        "from torch._inductor import cpu_vec_isa\n"
-        "from where import build as where\n"
-        "def build():\n"
-        "    with open('probed.txt', 'w') as f:\n"
-        "        f.write(str(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize))\n"
-        "    return where()\n"
-    )
-    request = where_experiment(tmp_path, compile=True, model="probed:build")
-    assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
-    assert (tmp_path / "probed.txt").read_text() == "1"
-
-
-@pytest.mark.slow
 def test_cold_trials_are_fresh_processes_of_their_own(tmp_path, monkeypatch):
     monkeypatch.setenv("MBTUNE_COLD_TRIALS", "1")
     result = measure_in_subprocess(where_experiment(tmp_path), cwd=str(tmp_path))
@@ -118,15 +85,38 @@ def test_cold_trials_are_fresh_processes_of_their_own(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_warm_parent_runs_one_thread_and_no_torch_op(tmp_path):
-    exp = parse_experiment({"name": "x", "model": {"name": "gpt"}, "trial": {"compile": True},
+def test_the_compiling_warm_parent_runs_one_thread_and_hands_its_probes_to_the_child(
+    tmp_path, monkeypatch
+):
+    # one compiling warm parent for two claims (each used to start its own, 5-6 CPU-s):
+    # its preload is any compiling experiment's but an hf: model's, the model's name aside
+    # (mbtune.trial.launch.preload_modules), so a user model's parent is the gpt's
+    request = where_experiment(tmp_path, compile=True, model="probed:build")
+    gpt = parse_experiment({"name": "x", "model": {"name": "gpt"}, "trial": {"compile": True},
                             "train_input": {"batch_size": 4}})  # fmt: skip
-    parent = WarmParent.start(preload_modules(exp), cwd=str(tmp_path))
+    assert preload_modules(request.experiment) == preload_modules(gpt)
+    parent = WarmParent.start(preload_modules(gpt), cwd=str(tmp_path))
     try:
         assert parent.problem is None
         assert os.listdir(f"/proc/{parent.process.pid}/task") == [str(parent.process.pid)]
         maps = Path(f"/proc/{parent.process.pid}/maps").read_text()
         assert "libtorch" in maps  # torch imported, compile's modules too, yet one thread
+        # the CPU's vector instructions, which inductor probes by building and loading a
+        # test kernel in subprocesses (about 1 s), are known before the fork: the child's
+        # cache of them is full as it builds its model, before it compiles anything
+        (tmp_path / "probed.py").write_text(
+            "from torch._inductor import cpu_vec_isa\n"
+            "from where import build as where\n"
+            "def build():\n"
+            "    with open('probed.txt', 'w') as f:\n"
+            "        f.write(str(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize))\n"
+            "    return where()\n"
+        )
+        monkeypatch.setattr(launch, "_IDLE", [parent])  # the next trial forks from it
+        assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
+        ((_, forked_by, _),) = lines(tmp_path / "built.jsonl")
+        assert forked_by == parent.process.pid
+        assert (tmp_path / "probed.txt").read_text() == "1"
     finally:
         parent.close()
     assert parent.process.poll() is not None  # it ends once its socket closes
@@ -228,17 +218,28 @@ def test_a_parent_started_ahead_serves_the_first_actor_that_fits_it(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_an_actor_in_another_environment_starts_its_own_parent(tmp_path, monkeypatch):
+def test_an_actor_in_another_environment_starts_its_own_parent_whose_trials_are_fresh_children(
+    tmp_path, monkeypatch
+):
     request = where_experiment(tmp_path)
     monkeypatch.setattr(launch, "_IDLE", [])
     ahead = launch.WarmAhead.start(request.experiment, str(tmp_path))
     try:
         monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")  # read as inductor loads
         launch.offer_ahead(ahead.name)
-        assert measure_in_subprocess(request, cwd=str(tmp_path))["status"] == "ok"
-        ((_, parent, _),) = lines(tmp_path / "built.jsonl")
+        for _ in range(2):
+            result = measure_in_subprocess(request, cwd=str(tmp_path))
+            assert result["status"] == "ok", result["reason"]
+        built, imported = lines(tmp_path / "built.jsonl"), lines(tmp_path / "imported.jsonl")
+        (first, parent, _), (second, parent_again, _) = built
         assert parent not in (ahead.process.pid, os.getpid())  # one of its own, warm
         assert ahead.process.wait(timeout=30) == 0  # turned away, it ended
+        # each trial a fresh child of that one warm parent, started for them here
+        assert first != second and parent == parent_again
+        # the user's module is imported in each child, never in the parent, and nothing
+        # one trial built is left in the next
+        assert [pid for pid, _ in imported] == [first, second]
+        assert [count for *_, count in built] == [1, 1]
     finally:
         for parent in launch._IDLE:
             parent.close()
