@@ -124,12 +124,6 @@ def test_a_trial_that_does_not_stop_itself_is_killed(tmp_path, monkeypatch):
     assert time.perf_counter() - started >= 3
 
 
-@pytest.mark.slow
-def test_a_trial_that_prints_after_its_result_is_still_read(tmp_path, monkeypatch):
-    result = measure(faulty_experiment(tmp_path, monkeypatch, chatty=True), 1)
-    assert result["status"] == "ok" and result["samples_per_s"] > 0
-
-
 # -- the callback that records every finished trial ----------------------------------
 
 
@@ -156,9 +150,11 @@ def test_a_failed_trial_actor_is_recorded_once(tmp_path):
 def test_a_search_records_every_fault_and_keeps_every_other_result(
     ray_session, tmp_path, monkeypatch
 ):
+    # chatty: each trial prints after its result line (an exit handler), which is still read
     exp = faulty_experiment(
         tmp_path,
         monkeypatch,
+        chatty=True,
         trial={"timeout_s": 10},
         search={
             "space": {"num_devices": [1]},
@@ -168,7 +164,9 @@ def test_a_search_records_every_fault_and_keeps_every_other_result(
             "max_repeats": 1,
         },  # every configuration once, whatever the score says
     )
-    exp = parse_experiment({**exp.to_dict(), "ray": {"max_concurrent_trials": 2}})
+    # one trial at a time: one trial actor and its warm parent (reused: a fault ends the
+    # trial's process, never its actor), where two cost another 4-5 CPU-s
+    exp = parse_experiment({**exp.to_dict(), "ray": {"max_concurrent_trials": 1}})
     lines = []
     outcome = run_search(exp, echo=lines.append)
     with outcome.run.trials_file.open(newline="") as f:
@@ -180,8 +178,8 @@ def test_a_search_records_every_fault_and_keeps_every_other_result(
         status, reason = REASONS[int(r["micro_batch_size"])]
         assert r["status"] == status, r
         if reason:
-            assert reason in r["reason"], r
-        else:
+            assert reason in r["reason"] and float(r["objective"]) == 0, r
+        else:  # the result line read, whatever the model printed after it
             assert float(r["samples_per_s"]) > 0 and float(r["objective"]) > 0, r
     assert sorted(int(r["micro_batch_size"]) for r in outcome.best()) == [1, 32]
     assert sum(" trial " in line for line in lines) == 6
