@@ -93,28 +93,6 @@ def test_the_search_streams_recommendations_and_stops_when_confident(ray_session
     assert summary["recommended"]["micro_batch_size"] == records[-1]["micro_batch_size"]
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_tpe_search_respects_num_samples_and_objective(ray_session, tmp_path):
-    exp = replay_experiment(
-        tmp_path, sampler="tpe", num_samples=5, objective="samples_per_s_per_device"
-    )
-    lines = []
-    outcome = run_search(exp, echo=lines.append)
-    rows = outcome.rows
-    assert len(rows) == 5
-    assert len({(r["num_devices"], r["micro_batch_size"]) for r in rows}) == 5
-    # a search that ends on its budget says so, in the stream and in summary.json
-    reason = outcome.summary["reason"]
-    assert reason.startswith("the trial budget (search.num_samples 5) ran out at confidence ")
-    assert f"mbtune: stopping: {reason}" in lines
-    for r in rows:
-        if r["status"] == "ok":
-            assert float(r["objective"]) == pytest.approx(
-                float(r["samples_per_s"]) / int(r["num_devices"])
-            )
-
-
 CRASHING = """
 import os, signal, torch, torch.nn as nn
 def build(how="kill"):
@@ -158,24 +136,42 @@ def test_the_trial_process_reports_json(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_warm_start_and_resume(ray_session, tmp_path, monkeypatch):
+def test_a_tpe_search_respects_num_samples_and_objective_then_resumes_and_warm_starts(
+    ray_session, tmp_path, monkeypatch
+):
+    """One tpe search (of 5) for its budget and objective, and as what a resume keeps and a
+    warm start teaches: each used to run a search of its own."""
     from mbtune.search import resume_search
 
-    first = run_search(replay_experiment(tmp_path, sampler="tpe", num_samples=3), echo=print)
-    assert len(first.rows) == 3
-    # resume the same run with a larger budget: nothing finished is repeated or lost; the
-    # run directory given as the search printed it, relative to the working directory
+    per_device = {"sampler": "tpe", "objective": "samples_per_s_per_device"}
+    lines = []
+    first = run_search(replay_experiment(tmp_path, **per_device, num_samples=5),
+                       echo=lines.append)  # fmt: skip
+    rows = first.rows
+    assert len(rows) == 5
+    assert len({(r["num_devices"], r["micro_batch_size"]) for r in rows}) == 5
+    # a search that ends on its budget says so, in the stream and in summary.json
+    reason = first.summary["reason"]
+    assert reason.startswith("the trial budget (search.num_samples 5) ran out at confidence ")
+    assert f"mbtune: stopping: {reason}" in lines
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["objective"]) == pytest.approx(
+                float(r["samples_per_s"]) / int(r["num_devices"])
+            )
+    # resume the same run: nothing finished is repeated or lost; the run directory given
+    # as the search printed it, relative to the working directory
     monkeypatch.chdir(tmp_path)
     resumed = resume_search(first.run.path.relative_to(tmp_path))
-    assert [r["trial_id"] for r in resumed.rows[:3]] == [r["trial_id"] for r in first.rows]
+    assert [r["trial_id"] for r in resumed.rows[:5]] == [r["trial_id"] for r in rows]
     assert len({r["trial_id"] for r in resumed.rows}) == len(resumed.rows)
     lines = []
     warm = run_search(
-        replay_experiment(tmp_path, sampler="tpe", num_samples=2),
+        replay_experiment(tmp_path, **per_device, num_samples=2),
         warm_start=first.run.path,
         echo=lines.append,
     )
-    assert any("the sampler learnt 3 results" in line for line in lines)
+    assert any("the sampler learnt 5 results" in line for line in lines)
     assert warm.run.path != first.run.path and len(warm.rows) == 2
 
 
