@@ -139,8 +139,9 @@ def test_a_parent_that_may_not_fork_leaves_the_trials_cold(tmp_path, monkeypatch
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
     )
-    preload = preload_modules
-    monkeypatch.setattr(launch, "preload_modules", lambda exp: (*preload(exp), "threaded"))
+    # a parent that imports that module alone: whether it may fork is a count of its threads,
+    # whatever else it imported (torch's import would cost its start, not change its answer)
+    monkeypatch.setattr(launch, "preload_modules", lambda exp: ("threaded",))
     monkeypatch.setattr(launch, "_COLD", {})
     request = where_experiment(tmp_path)
     for _ in range(2):
