@@ -2,6 +2,7 @@
 
 import functools
 
+import optuna
 import pytest
 from ray.tune.search import Searcher
 
@@ -17,6 +18,8 @@ from mbtune.search import (
     make_searcher,
 )
 from mbtune.search._samplers import Proposal
+from mbtune.search._searcher import STUCK_PROPOSALS
+from mbtune.search._stopping import nearest
 
 
 def drive(searcher, value_of, limit=100, status=None):
@@ -50,11 +53,35 @@ def speed(c):
 
 @pytest.mark.parametrize(
     "sampler", ["model", "tpe", pytest.param("gp", marks=pytest.mark.slow), "random", "grid"]
-)  # gp: Optuna's Gaussian process, 10 s here
+)  # gp: Optuna's Gaussian process, 6 s here
 def test_every_sampler_proposes_each_valid_point_once_and_finishes(sampler):
     searcher = make_searcher(sampler, POINTS, seed=0)
     measured = drive(searcher, speed)
     assert sorted(measured) == sorted(POINTS)  # all 11, none twice, then FINISHED
+
+
+class Fixated(optuna.samplers.RandomSampler):
+    """An Optuna sampler stuck on its first proposal: it proposes it again and again."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.first: dict = {}
+
+    def sample_independent(self, study, trial, name, distribution):
+        if name not in self.first:
+            self.first[name] = super().sample_independent(study, trial, name, distribution)
+        return self.first[name]
+
+
+def test_a_sampler_stuck_on_measured_configurations_gets_the_nearest_unmeasured_one():
+    searcher = make_searcher("random", POINTS, seed=0)
+    searcher.sampler = Fixated()  # the study, made at the first suggestion, asks it
+    measured = drive(searcher, speed)
+    assert sorted(measured) == sorted(POINTS)  # all 11, none twice, then FINISHED
+    # each after STUCK_PROPOSALS proposals of the measured, the nearest of the rest to them
+    asked = searcher.study.trials()
+    assert len(asked) == len(POINTS) + (len(POINTS) - 1) * STUCK_PROPOSALS
+    assert measured[1] == nearest(sorted(set(POINTS) - {measured[0]}), measured[0])
 
 
 def test_grid_goes_in_order():
@@ -97,7 +124,9 @@ class Repeating(LatticeGridSampler):
 def test_repeated_proposals_are_answered_from_the_cache_and_the_search_ends():
     searcher = MbtuneSearcher(Repeating(POINTS), SearchModel(tuple(POINTS)))
     measured = drive(searcher, speed)
-    assert measured == [POINTS[0]]
+    # each proposal after the first answered from the cache, until the sampler counts as
+    # stuck and the nearest unmeasured point is measured: every point once, then the end
+    assert measured[0] == POINTS[0] and sorted(measured) == sorted(POINTS)
     cached = [t for t in searcher.study.trials() if t.user_attrs["status"] == "cached"]
     assert cached and {t.value for t in cached} == {speed(POINTS[0])}  # told the value
 
