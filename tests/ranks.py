@@ -23,6 +23,8 @@ PRELOAD = [
     "mbtune.trial.measure",
     "mbtune.trial.pipeline",
     "mbtune.trial.sharding",
+    "mbtune.trial.step",
+    "mbtune.models.build",
 ]
 
 

@@ -5,6 +5,7 @@ import json
 import warnings
 
 import pytest
+from ranks import spawn_ranks
 
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
@@ -254,17 +255,7 @@ def _knobs_rank(rank: int, world: int, init: str, reshard: bool, sync: str) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize(("reshard", "sync"), [(False, "every")])  # the defaults: test_sharding
 def test_the_knobs_change_what_a_rank_holds_and_not_the_gradients(tmp_path, reshard, sync):
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    # the ranks forked from a fresh server that imports torch and the trial's code once,
-    # where each spawned rank imported them itself
-    server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload(["torch", "torch.distributed.fsdp", "mbtune.trial.sharding",
-                                   "mbtune.trial.step", "mbtune.models.build"])  # fmt: skip
-    mp.start_processes(_knobs_rank, args=(2, f"file://{tmp_path}/pg", reshard, sync), nprocs=2,
-                       join=True, start_method="forkserver")  # fmt: skip
+    spawn_ranks(_knobs_rank, (2, f"file://{tmp_path}/pg", reshard, sync), nprocs=2)
 
 
 @pytest.mark.parametrize("sampler", ["grid", "model"])
