@@ -334,7 +334,10 @@ def test_a_pipeline_search_measures_and_records_an_error_an_oom_and_a_dead_worke
                 "eval": True,
                 "warmup_steps": 1,
                 "measure_steps": 2,
-                "timeout_s": 120,
+                # a bound no correct trial nears: four fits share two cores, over 120 s
+                # each with one more busy process (a slower machine); a peer left hanging
+                # would reach it, a 'timeout' where the test wants rank 1's error
+                "timeout_s": 300,
             },  # fmt: skip
             # all four at once, their eight workers sharing the two cores
             "ray": {"max_concurrent_trials": 4, "cpus_per_trial": 0.25},
