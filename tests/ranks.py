@@ -12,6 +12,7 @@ one)."""
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +29,22 @@ PRELOAD = [
 ]
 
 
+HUNG_S = 180
+"""A rank still running this long is hung (these tests' ranks take seconds): it is killed
+and the test fails naming it, where a join without end would hold the suite."""
+
+
 def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes, joined; a rank's error raised here."""
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: once
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                               start_method="forkserver")  # fmt: skip
+    deadline = time.monotonic() + HUNG_S
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            hung = [r for r, p in enumerate(ranks.processes) if p.is_alive()]
+            for p in ranks.processes:
+                p.kill()
+            raise AssertionError(f"ranks {hung} of {nprocs} still running after {HUNG_S} s")

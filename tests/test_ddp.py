@@ -63,9 +63,14 @@ def _gradient_rank(rank: int, world: int, init: str) -> None:
             reduces = []
 
             def counting(state, bucket, reduces=reduces):
+                # reduced here, a completed future handed back: with gloo a callback
+                # chained by fut.then() is released by gloo's thread, which needs the GIL,
+                # and a DDP freed meanwhile joins that thread holding it (a deadlock)
                 reduces.append(bucket.buffer().numel())
-                fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-                return fut.then(lambda f: f.value()[0] / world)
+                dist.all_reduce(bucket.buffer())
+                done = torch.futures.Future()
+                done.set_result(bucket.buffer().div_(world))
+                return done
 
             model.register_comm_hook(None, counting)
             batches = [tuple(t[a : a + m] for t in share) for a, m in _offsets(sizes)]
