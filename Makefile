@@ -30,8 +30,13 @@ demo: setup
 # two pytest-xdist workers; tests/conftest.py puts the tests of the session's Ray in one
 # group, on one worker. A worker that dies (a test past its timeout) is not replaced: under
 # --dist loadgroup the replacement can wait forever for work (pytest-xdist issues 1323,
-# 1327, 1378), where the run should end, naming the test
-PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0
+# 1327, 1378), where the run should end, naming the test.
+# The suite keeps compiled bytecode (in __pycache__, which git ignores) even where the
+# environment asks Python not to write it (PYTHONDONTWRITEBYTECODE): each pytest worker
+# would rewrite every test module's asserts, and each of the suite's few hundred Python
+# processes (Ray's workers, trial processes, mbtune commands) compile mbtune anew, 4-7% of
+# the suite's CPU
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0
 
 test: setup
 	$(PYTEST)
