@@ -34,8 +34,8 @@ demo: setup
 # The suite keeps compiled bytecode (in __pycache__, which git ignores) even where the
 # environment asks Python not to write it (PYTHONDONTWRITEBYTECODE): each pytest worker
 # would rewrite every test module's asserts, and each of the suite's few hundred Python
-# processes (Ray's workers, trial processes, mbtune commands) compile mbtune anew, 4-7% of
-# the suite's CPU
+# processes (Ray's workers, trial processes, mbtune commands) compile mbtune anew, 3-7% of
+# the CPU of the tests measured (docs/benchmarks.md)
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0
 
 test: setup
