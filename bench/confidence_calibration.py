@@ -89,17 +89,20 @@ STOPS_RIGHT = 90
 Table = dict[BatchConfig, float | None]
 
 
-def search(table: Table, sampler: str, seed: int, drift: float = 0.0) -> dict:
+def search(
+    table: Table, sampler: str, seed: int, drift: float = 0.0, sharded: bool = False
+) -> dict:
     """One search over ``table``, up to where `mbtune run` would stop it: the (score,
     right) it streamed after every trial, and its stop on the target (None if it never
     stopped there). With ``drift``, each trial is off by one factor of that relative sd,
     the budget is twice the table's size, and the model's drift prior is the real
-    machine's (as `trial.drift` replays it)."""
+    machine's (as `trial.drift` replays it). ``sharded``: the trials shard the model, as
+    `trial.sharding: fsdp` tells the search."""
     best = max(v for v in table.values() if v)
     floor = DEFAULT_NOISE_FLOOR if drift else 0.0
     budget = 2 * len(table) if drift else len(table)
     searcher = make_searcher(sampler, list(table), seed=seed, noise_floor=floor, target=TARGET,
-                             max_repeats=MAX_REPEATS, budget=budget)  # fmt: skip
+                             max_repeats=MAX_REPEATS, budget=budget, sharded=sharded)  # fmt: skip
     rng = random.Random(seed)
     readings, stop = [], None
     trials = stopping_search(searcher, lambda c, _: replayed(c, table[c], rng, drift=drift),

@@ -225,15 +225,28 @@ def step_s(job: Job, c: BatchConfig) -> float:
 
 
 def draw(seed: int) -> tuple[Job, dict[BatchConfig, float | None]]:
-    """Seed ``seed``'s job and landscape (samples/s of every configuration, None out of
-    memory); the job drawn again until at least 10 configurations fit."""
-    rng = random.Random(40_000 + seed)
+    """Seed ``seed``'s job and landscape (:func:`drawn`)."""
+    return drawn(random.Random(40_000 + seed), draw_job, peak_bytes, step_s)
+
+
+def drawn(rng: random.Random, draw_job, peak_bytes, step_s) -> tuple:
+    """A job from ``draw_job(rng)`` and its landscape: samples/s of every configuration of
+    its lattice (``step_s(job, c)``), None where ``peak_bytes(job, c)`` is over its budget;
+    the job drawn again until at least 10 configurations fit (bench/fsdp_search.py's
+    family too)."""
     while True:
         job = draw_job(rng)
         table = {c: None if peak_bytes(job, c) > job.budget_bytes else c.batch_size / step_s(job, c)
                  for c in job.lattice()}  # fmt: skip
         if sum(v is not None for v in table.values()) >= 10:
             return job, table
+
+
+def screened(job, table: dict, peak_bytes) -> dict[BatchConfig, float | None]:
+    """``table`` without the configurations the memory screen rules out
+    (:data:`SCREEN_MARGIN`), as `mbtune run` never measures them."""
+    over = job.budget_bytes * (1 + SCREEN_MARGIN)
+    return {c: v for c, v in table.items() if v is not None or peak_bytes(job, c) <= over}
 
 
 SCREEN_MARGIN = 0.15
@@ -248,10 +261,7 @@ def megatron_landscape(seed: int, *, screen: bool = True) -> dict[BatchConfig, f
     the memory screen rules out (:data:`SCREEN_MARGIN`), as `mbtune run` never measures
     them."""
     job, table = draw(seed)
-    if not screen:
-        return table
-    screened = job.budget_bytes * (1 + SCREEN_MARGIN)
-    return {c: v for c, v in table.items() if v is not None or peak_bytes(job, c) <= screened}
+    return screened(job, table, peak_bytes) if screen else table
 
 
 def describe(seed: int) -> str:
@@ -267,17 +277,24 @@ def describe(seed: int) -> str:
 
 
 def calibrate(
-    seeds: range, sampler: str, drift: float, min_bin: int, landscape=None, name: str = "megatron"
+    seeds: range,
+    sampler: str,
+    drift: float,
+    min_bin: int,
+    landscape=None,
+    name: str = "megatron",
+    sharded: bool = False,
 ) -> dict:
     """Every seed's search, up to its stop: the bins, the stops, the final recommendations
     and the verdicts, printed as bench/confidence_calibration.py prints a family.
-    ``landscape(seed)``: the table (default: :func:`megatron_landscape`)."""
+    ``landscape(seed)``: the table (default: :func:`megatron_landscape`); ``sharded``: the
+    trials shard the model (bench/fsdp_search.py)."""
     landscape = landscape or megatron_landscape
     readings: dict[int, list[tuple[int, bool]]] = defaultdict(list)
     stops, ties, finals, lengths = [], [], [], []
     for seed in seeds:
         table = landscape(seed)
-        s = calibrated_search(table, sampler, seed, drift)
+        s = calibrated_search(table, sampler, seed, drift, sharded)
         readings[seed] += s["readings"]
         lengths.append(len(s["readings"]))
         finals.append(bool(s["readings"]) and s["readings"][-1][1])
@@ -396,14 +413,14 @@ def main() -> int:
 def _blind() -> None:
     """The search model as it was before it knew the layout: its layout columns (t, p, the
     schedule, the bubble) zero for every configuration, so that configurations differing
-    only in layout are one point to it."""
+    only in layout are one point to it (the collectives' column, issue 38, kept)."""
     from mbtune.recommend import gp
 
     seen = gp.features
 
-    def features(c: BatchConfig) -> tuple[float, ...]:
-        f = seen(c)
-        return (*f[:6], *(0.0 for _ in f[6:]))
+    def features(c: BatchConfig, *, sharded: bool = False) -> tuple[float, ...]:
+        f = seen(c, sharded=sharded)
+        return (*f[:6], *(0.0 for _ in f[6:-1]), f[-1])
 
     gp.features = features
 

@@ -1,7 +1,8 @@
 """A training step's collectives and what they cost over a link: the one model of them,
 for the simulated trial (which models what one process cannot time), the plan (which
-fits the link to a run's step times and predicts more devices) and whatever else needs a
-step's communication.
+fits the link to a run's step times and predicts more devices) and the search model
+(whose trend, where the trials shard, learns what a sharded step's collectives cost:
+mbtune.recommend.gp).
 
 A collective is counted as the ring runs it, as :class:`Traffic`: the bytes each device
 sends over its link and the hops that each wait one link latency. Over n devices a ring

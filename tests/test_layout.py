@@ -180,7 +180,7 @@ LAYERS: dict[str, set[str]] = {
     "models": {"errors", "lattice", "config"},
     "trial": {"errors", "lattice", "comm", "config", "models", "progress", "cluster"},
     "report": {"errors", "lattice", "config", "runs", "trial"},
-    "recommend": {"errors", "lattice", "config", "runs", "report"},
+    "recommend": {"errors", "lattice", "comm", "config", "runs", "report"},
     "analysis": {"mbtune", "errors", "lattice", "config", "runs", "report", "plan"},
     "plan": {"errors", "lattice", "comm", "config", "runs", "report", "recommend", "models"},
     "search": {

@@ -2,6 +2,7 @@
 the confidence score it gives, and the recommendation after each finished trial with the
 end-of-run summary's numbers (``mbtune.report`` says them in words).
 
-May import: mbtune.errors, mbtune.lattice, mbtune.config, mbtune.runs, mbtune.report.
+May import: mbtune.errors, mbtune.lattice, mbtune.comm, mbtune.config, mbtune.runs,
+mbtune.report.
 Pure: no torch, no ray.
 """

@@ -189,7 +189,7 @@ def assess(
     so the model learns it per device and multiplies back; False when it is per device.
     ``target``: the search's, which the contenders hold the best with. ``sharded``: the
     trials shard the model (``trial.sharding: fsdp``), which decides what an out of
-    memory bounds.
+    memory bounds and whether the model counts the step's collectives (mbtune.recommend.gp).
     """
     looks: dict[BatchConfig, list[Observation]] = {}
     for o in observations:  # every repeat of a configuration is an observation of it
@@ -203,7 +203,7 @@ def assess(
     drift, drift_dof = between_trial_drift(ok, spread, prior=noise_floor)
     step_var = np.array([step_variance(spread, o) for o in ok])
     noise_var = step_var + drift_variance(drift, drift_dof)
-    scale = Scale(points)
+    scale = Scale(points, sharded=sharded)
     candidates = sorted(feasible)
     z = scale(candidates)
 

@@ -8,7 +8,9 @@ constant, a linear trend (throughput scales with devices and grows with m), a cu
 n (communication can make fewer devices faster), a curvature in m (throughput saturates
 with the micro-batch), an interaction of the two (a cost per step weighs more on a faster
 step), the pipeline's bubble (Megatron's: a step takes 1 + (p - 1) / (v g) of its ideal
-time, known before measuring) and a smooth Matern-5/2 deviation from them.
+time, known before measuring), where the trials shard the model the step's collectives
+(FSDP2's, counted by mbtune.comm, with a learnt coefficient) and a smooth Matern-5/2
+deviation from them.
 Its two shape hyperparameters (length scale, amplitude) are not fixed but averaged over a
 grid, each weighted by how well it explains the measurements (Bayesian model averaging):
 with few measurements many shapes remain possible, and the score stays low.
@@ -23,9 +25,10 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from scipy.linalg import solve_triangular
 
+from mbtune.comm import step_traffic
 from mbtune.lattice import PIPELINE_SCHEDULES, BatchConfig
 
-__all__ = ["Mixture", "Scale", "features", "plausible"]
+__all__ = ["Mixture", "Scale", "comm_per_sample", "features", "plausible"]
 
 _LENGTH_SCALES = (0.75, 1.5, 3.0)  # in octaves of m, n and B
 _AMPLITUDES = (0.05, 0.12, 0.3)  # sd of the deviation from the trend, in log units
@@ -35,18 +38,22 @@ _CURVE_M_SD = 0.05  # the same in m: as much as a saturating curve bends (see _k
 _CROSS_SD = 0.05  # the same for the interaction of m and n, per octave of each (see _kernels)
 _LEVEL_SD = 1.0  # prior sd of the constant, in log units around the mean measurement
 _BUBBLE_SD = 0.3  # prior sd of the bubble's coefficient around Megatron's -1 (see features)
+_COMM_SD = 1.0  # prior sd of the collectives' cost where the space sends most (see Scale)
+_COMM_OCTAVE_SD = _TREND_SD  # prior sd of their slope per octave, as any other (see Scale)
 _MAX_CANDIDATES = 600  # joint sampling is cubic in this; the rest are pruned (see plausible)
 
 
-def features(c: BatchConfig) -> tuple[float, ...]:
+def features(c: BatchConfig, *, sharded: bool = False) -> tuple[float, ...]:
     """Octaves of m, n and B; each setting of a step as 0 or 1 (activation checkpointing
     on; sharded, reshard_after_forward off, grad_sync every); the layout: octaves of t and
     p, and the pipeline's schedule as a category (one column per schedule, two schedules
-    one unit apart); and last, the bubble's log share of a step, log(1 + (p - 1) / (v g))
-    (``BatchConfig.bubble``), which is not a coordinate of the surface but a term
-    of its trend (:data:`_SHAPE`). Each setting and each value of the layout is a surface
-    of its own, shifted by the trend and close to the others by the smooth deviation (one
-    unit apart, as an octave is), so that what one measures tells of the other. A setting
+    one unit apart); and last two terms of the trend that are not coordinates of the
+    surface (:data:`_SHAPE`): the bubble's log share of a step, log(1 + (p - 1) / (v g))
+    (``BatchConfig.bubble``), and, where the trials shard the model (``sharded``), the
+    step's collectives per sample (:func:`comm_per_sample`; 0 otherwise; :class:`Scale`
+    makes it two columns). Each setting and each value of the layout is a surface of its
+    own, shifted by the trend and close to the others by the smooth deviation (one unit
+    apart, as an octave is), so that what one measures tells of the other. A setting
     the space does not vary is one value everywhere: centred away (:class:`Scale`).
 
     Why the layout so. Megatron's relations: t and p divide a replica's compute (the
@@ -71,24 +78,71 @@ def features(c: BatchConfig) -> tuple[float, ...]:
         math.log2(c.pipeline_parallel),
         *(_CATEGORY * (schedule == s) for s in PIPELINE_SCHEDULES),
         math.log1p(c.bubble),
+        comm_per_sample(c) if sharded else 0.0,
     )
+
+
+def comm_per_sample(c: BatchConfig) -> float:
+    """The bytes one device sends in a sharded step's collectives per sample of its batch,
+    in units of the whole model's gradient bytes (mbtune.comm.step_traffic, ``sharding:
+    fsdp``, over the d = n / (t p) replicas, each device's share 1 / (t p) of the model):
+    FSDP2's all-gathers in every micro-batch's forward pass and, with
+    ``reshard_after_forward``, its backward, and its reduce-scatters once a step or
+    (``grad_sync: every``) once a micro-batch.
+
+    Why it is a term of the trend, in two columns (:class:`Scale`). Where the collectives
+    wait on nothing, a step takes P x (compute per sample) + volume x (seconds per byte),
+    so the per-device objective falls by log(1 + k x) in log units, x this column and k
+    the link's time for the model's gradient over one sample's compute: about -k x while
+    k x is small, a coefficient on x. Where FSDP2 hides them behind the compute (it
+    prefetches the next unit's gathers), they cost nothing until they outlast it, and
+    then the step is the collectives: the objective falls as 1 / x, a slope of -1 on log x.
+    k, and how much the machine hides, are the model's and the machine's: the trend
+    learns both coefficients, on x in units of the most the space sends and on its
+    octaves (bench/fsdp_search.py measures each alone and both).
+
+    Why only where the trials shard. Unsharded, the collectives are data parallelism's
+    all-reduce, once a step: per sample a function of n and B (and the layout's t and p),
+    which their slopes and the curvature in n already carry; the column added nothing the
+    measurements did not cover, and its prior variance made unmeasured configurations less
+    certain (docs/confidence.md, "The communication term": more ties, a stop off on the
+    model-parallel family). Sharded, the gathers and scatters come once a micro-batch, so
+    their count depends on m and on FSDP's settings together, which no column carries."""
+    share = c.tensor_parallel * c.pipeline_parallel
+    return step_traffic(c, grad_bytes=1.0 / share, sharding="fsdp").volume / c.per_device_batch
 
 
 _CATEGORY = math.sqrt(0.5)
 """A category's column value: two categories differ in two columns, one unit apart."""
-_SHAPE = slice(0, -1)
-"""The columns that are coordinates of the surface (the deviation's distances); the last,
-the bubble, enters the trend only."""
+_SHAPE = slice(0, -3)
+"""The columns of :class:`Scale` that are coordinates of the surface (the deviation's
+distances); the last three, the bubble and the collectives' two, enter the trend only."""
+_BUBBLE, _COMM, _COMM_OCTAVES = -3, -2, -1
 
 
 class Scale:
-    """Features in octaves, centred on the space, so the linear trend pivots at its middle."""
+    """Features in octaves, centred on the space, so the linear trend pivots at its middle.
+    The collectives per sample (:func:`comm_per_sample`, ``sharded``), :func:`features`'
+    last column, become two: in units of the most the space's configurations send (the
+    coefficient is the log of what they cost there, whatever the model's size and the
+    link's speed: prior sd ``_COMM_SD``), and in octaves, no fewer than the least the
+    space sends (one device sends nothing: prior sd ``_COMM_OCTAVE_SD``)."""
 
-    def __init__(self, points: Sequence[BatchConfig]) -> None:
-        self.centre = np.mean([features(p) for p in points], axis=0)
+    def __init__(self, points: Sequence[BatchConfig], *, sharded: bool = False) -> None:
+        self.sharded = sharded
+        f = np.array([features(p, sharded=sharded) for p in points])
+        sent = f[:, -1][f[:, -1] > 0]
+        self.least, self.most = (float(sent.min()), float(sent.max())) if len(sent) else (0, 1)
+        self.centre = self._columns(f).mean(axis=0)
 
     def __call__(self, configs: Iterable[BatchConfig]) -> np.ndarray:
-        return np.array([features(c) for c in configs]) - self.centre
+        f = np.array([features(c, sharded=self.sharded) for c in configs])
+        return self._columns(f) - self.centre
+
+    def _columns(self, f: np.ndarray) -> np.ndarray:
+        x = f[:, -1:]
+        octaves = np.log2(np.maximum(x, self.least)) if self.least else np.zeros_like(x)
+        return np.hstack([f[:, :-1], x / self.most, octaves])
 
 
 def plausible(
@@ -168,8 +222,8 @@ class Mixture:
 
 def _prior_mean(x: np.ndarray) -> np.ndarray:
     """The trend's known part: Megatron's bubble, a step 1 + bubble times its ideal time
-    (:func:`features`' last column; centred, which the constant absorbs)."""
-    return -x[:, -1]
+    (:func:`features`' bubble column; centred, which the constant absorbs)."""
+    return -x[:, _BUBBLE]
 
 
 def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
@@ -200,12 +254,15 @@ def _kernels(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[float, np.ndarray]]
 
 def _trend(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The prior covariance of the trend (constant, slopes, curvatures in n and m, the
-    interaction of m and n, the bubble's coefficient about its known value) between the
+    interaction of m and n, the bubble's coefficient about its known value, the
+    collectives' coefficient) between the
     points of ``a`` and ``b``, which broadcast against each other: a matrix from
     ``a[:, None]`` and ``b[None]``, its diagonal from ``a`` and ``a``."""
     return (
         _TREND_SD**2 * (a[..., _SHAPE] * b[..., _SHAPE]).sum(-1)
-        + _BUBBLE_SD**2 * a[..., -1] * b[..., -1]
+        + _BUBBLE_SD**2 * a[..., _BUBBLE] * b[..., _BUBBLE]
+        + _COMM_SD**2 * a[..., _COMM] * b[..., _COMM]
+        + _COMM_OCTAVE_SD**2 * a[..., _COMM_OCTAVES] * b[..., _COMM_OCTAVES]
         + _CURVE_SD**2 * a[..., 1] ** 2 * b[..., 1] ** 2
         + _CURVE_M_SD**2 * a[..., 0] ** 2 * b[..., 0] ** 2
         + _CROSS_SD**2 * (a[..., 0] * a[..., 1]) * (b[..., 0] * b[..., 1])

@@ -308,13 +308,15 @@ def make_searcher(
     announce: Callable[[str], None] | None = None,
     model: SearchModel | None = None,
     budget: int | None = None,
+    sharded: bool = False,
 ) -> MbtuneSearcher:
     """The searcher for ``search.sampler`` over ``points``; ``model``: the run's search
-    model, else one of ``noise_floor``, ``global_objective`` and ``seed``; ``url``: the
-    run's optuna.db (else the study is in memory)."""
+    model, else one of ``noise_floor``, ``global_objective``, ``seed`` and ``sharded``
+    (the trials shard the model); ``url``: the run's optuna.db (else the study is in
+    memory)."""
     canonical = sorted({p.canonical() for p in points})
     model = model or SearchModel(
-        tuple(canonical), noise_floor, global_objective, seed, target, max_repeats
+        tuple(canonical), noise_floor, global_objective, seed, target, max_repeats, sharded
     )
     return MbtuneSearcher(
         make_sampler(sampler, model, seed=seed),
