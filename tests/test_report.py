@@ -137,6 +137,18 @@ def test_the_summary_of_a_search():
         "     2            2          32                16           1       600.0           -"
         "        1.0",
     ]
+    # a sharded search's settings, where one is off its default, are columns of their own:
+    # else two rows that differ only in them would read as one configuration twice
+    kept = {**other, "reshard_after_forward": False, "grad_sync": "every"}
+    table = report.summary_lines(rows, {**summary, "top": [best, kept]}, Path("runs/x"))[-3:]
+    assert table == [
+        "  rank  num_devices  batch_size  micro_batch_size  reshard_after_forward  grad_sync"
+        "  grad_accum   samples/s   estimated  compile_s",
+        "     1            2          32                 8                   true       last"
+        "           2       672.7       668.1        3.0",
+        "     2            2          32                16                  false      every"
+        "           1       600.0           -        1.0",
+    ]
     # a compile difference that would print as 0.0 s is left out; one step is one step
     summary["compile_break_even"] = [
         {"against": other, "extra_compile_s": 0.04, "break_even_steps": 2},

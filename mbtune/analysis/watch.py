@@ -29,6 +29,7 @@ from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.report import stream_line, tie_line
+from mbtune.report.words import COLUMNS, shown_columns
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
 
@@ -106,53 +107,24 @@ def _best_table(ranking: Sequence[Mapping[str, Any]]) -> list[str]:
     ranking (mbtune.recommend.reporter.ranking: the recommendation first, then by the
     model's estimate), with the model's estimate of each one's samples/s and how often it
     was measured. Nothing before the first recommendation."""
-    ranked = [(BatchConfig.from_mapping(e), e) for e in ranking]
+    ranked = [(BatchConfig.from_mapping(e), e) for e in ranking][:TOP]
     if not ranked:
         return []
     # a layout's or a step's setting only where a configuration has it off its default
-    default = BatchConfig(1, 1, 1)
-    configs = [c for c, _ in ranked]
-    shown_settings = [
-        (key, label)
-        for key, label in _SETTING_LABELS
-        if any(getattr(c, key) != getattr(default, key) for c in configs)
-    ]
-    ckpt = "".join(f"  {label:>{len(label)}}" for _, label in shown_settings)
+    shown = shown_columns([c for c, _ in ranked], [key for key, _ in COLUMNS])
+    heads = "".join(f"  {label}" for _, label, _ in shown)
     lines = ["best configurations:",
              f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}"
-             f"{ckpt}  {'grad_accum':>10}  {'est. samples/s':>14}  {'looks':>5}"]  # fmt: skip
-    for i, (c, entry) in enumerate(ranked[:TOP], start=1):
+             f"{heads}  {'grad_accum':>10}  {'est. samples/s':>14}  {'looks':>5}"]  # fmt: skip
+    for i, (c, entry) in enumerate(ranked, start=1):
         speed = entry.get("estimated_samples_per_s")
-        shown = f"{speed:,.1f}" if isinstance(speed, int | float) else "-"
-        on = "".join(
-            f"  {_setting_word(key, getattr(c, key)):>{len(label)}}"
-            for key, label in shown_settings
-        )
+        estimate = f"{speed:,.1f}" if isinstance(speed, int | float) else "-"
+        on = "".join(f"  {words[i - 1]}" for _, _, words in shown)
         lines.append(
             f"  {i:>4}  {c.num_devices:>11}  {c.batch_size:>10}  {c.micro_batch_size:>16}{on}"
-            f"  {c.grad_accum_steps:>10}  {shown:>14}  {entry.get('measurements', 1):>5}"
+            f"  {c.grad_accum_steps:>10}  {estimate:>14}  {entry.get('measurements', 1):>5}"
         )
     return lines
-
-
-_SETTING_LABELS = (
-    ("tensor_parallel", "t"),
-    ("pipeline_parallel", "p"),
-    ("pipeline_schedule", "schedule"),
-    ("activation_checkpointing", "ckpt"),
-    ("reshard_after_forward", "reshard_after_forward"),
-    ("grad_sync", "grad_sync"),
-)
-"""The layout (mbtune.lattice.LAYOUT) and the settings of a step (mbtune.lattice.SETTINGS)
-as the best table heads them."""
-
-
-def _setting_word(key: str, value: object) -> str:
-    """on/off for activation checkpointing, true/false for reshard_after_forward, or the
-    value itself (grad_sync's)."""
-    if key == "activation_checkpointing":
-        return "on" if value else "off"
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class Watcher:

@@ -10,10 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mbtune.lattice import BatchConfig
+from mbtune.lattice import SETTINGS, BatchConfig
 from mbtune.report.words import (
     layout,
     plural,
+    shown_columns,
     sizes,
     step_suffix,
     value_text,
@@ -141,9 +142,13 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     beside the measured samples/s (every look's geometric mean)."""
     configs = [BatchConfig.from_mapping(r) for r in top]
     split = any(c.layout[:2] != (1, 1) for c in configs)  # then a column: t x p (schedule)
-    lines = [f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>14}  " * split
-             + f"{'batch_size':>10}  {'micro_batch_size':>16}  {'grad_accum':>10}  "
-             f"{'samples/s':>10}  {'estimated':>10}  {'compile_s':>9}"]  # fmt: skip
+    shown = shown_columns(configs, SETTINGS)  # and the settings of a step off their default
+    lines = [
+        f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>14}  " * split
+        + f"{'batch_size':>10}  {'micro_batch_size':>16}  "
+        + "".join(f"{label}  " for _, label, _ in shown)
+        + f"{'grad_accum':>10}  {'samples/s':>10}  {'estimated':>10}  {'compile_s':>9}"
+    ]  # fmt: skip
     for i, (r, c) in enumerate(zip(top, configs, strict=True), start=1):
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         estimate = r.get("estimated_samples_per_s")
@@ -154,7 +159,9 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
             f"  {i:>4}  {r['num_devices']:>11}  "
             + f"{tp:>14}  " * split
             + f"{r['batch_size']:>10}  "
-            f"{r['micro_batch_size']:>16}  {r['grad_accum_steps']:>10}  "
+            f"{r['micro_batch_size']:>16}  "
+            + "".join(f"{words[i - 1]}  " for _, _, words in shown)
+            + f"{r['grad_accum_steps']:>10}  "
             f"{r['samples_per_s']:>10,.1f}  {estimated:>10}  {compile_s:>9}"
         )
     return lines

@@ -2,10 +2,12 @@
 (:func:`sizes`: 'num_devices 2, batch_size 64, micro_batch_size 8'), how it computes
 (:func:`step_suffix`: ', bf16, with activation checkpointing'), how it splits into
 micro-batches (:func:`micro_batches`: '4x8', '3+2+2', and the sentences built on it,
-:func:`devices_split` and :func:`per_device_split`)."""
+:func:`devices_split` and :func:`per_device_split`), and its layout and settings as the
+tables of the best configurations head them (:func:`shown_columns`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from mbtune.lattice import BatchConfig
@@ -16,6 +18,7 @@ __all__ = [
     "micro_batches",
     "per_device_split",
     "plural",
+    "shown_columns",
     "sizes",
     "step_suffix",
     "value_text",
@@ -116,3 +119,38 @@ def step_suffix(
 
 def value_text(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+COLUMNS = (
+    ("tensor_parallel", "t"),
+    ("pipeline_parallel", "p"),
+    ("pipeline_schedule", "schedule"),
+    ("activation_checkpointing", "ckpt"),
+    ("reshard_after_forward", "reshard_after_forward"),
+    ("grad_sync", "grad_sync"),
+)
+"""The layout (mbtune.lattice.LAYOUT) and the settings of a step (mbtune.lattice.SETTINGS)
+as a table of configurations heads them."""
+
+
+def shown_columns(
+    configs: Sequence[BatchConfig], keys: Collection[str]
+) -> list[tuple[str, str, list[str]]]:
+    """The columns of ``keys`` (of :data:`COLUMNS`) that a table of ``configs`` shows: only
+    where a configuration has it off its default, so that a table of configurations
+    without them reads as it always has; each as (key, heading, its words, one a config,
+    right-aligned to the heading): on/off for activation checkpointing, true/false for
+    reshard_after_forward, the value itself otherwise."""
+    default = BatchConfig(1, 1, 1)
+    shown = []
+    for key, label in COLUMNS:
+        if key in keys and any(getattr(c, key) != getattr(default, key) for c in configs):
+            words = [_column_word(key, getattr(c, key)) for c in configs]
+            shown.append((key, label, [f"{w:>{len(label)}}" for w in words]))
+    return shown
+
+
+def _column_word(key: str, value: Any) -> str:
+    if key == "activation_checkpointing":
+        return "on" if value else "off"
+    return value_text(value)
