@@ -224,6 +224,25 @@ def test_ray_train_polls_often_waits_no_longer_than_the_trial_and_watches_no_pre
         assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
 
 
+def test_a_trials_ray_train_run_starts_no_dataset_manager():
+    """A trial feeds its workers no Ray Dataset: its trainer leaves out Ray Train's datasets
+    callback (which starts a DatasetManager actor for every run) and keeps the rest. Ray's
+    own trainer still has that callback, by that name: were it renamed, the trials would
+    start the actor again, and this says so."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def names(trainer: type) -> list[str]:
+        made = trainer(lambda: None, scaling_config=ScalingConfig(num_workers=2))
+        return [type(c).__name__ for c in made._create_default_callbacks()]
+
+    ray_train = names(TorchTrainer)
+    assert "DatasetsCallback" in ray_train
+    assert names(ddp._trainer_without_datasets(TorchTrainer)) == [
+        name for name in ray_train if name != "DatasetsCallback"
+    ]
+
+
 # -- no hang: the pieces ------------------------------------------------------------------
 
 

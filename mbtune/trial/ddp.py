@@ -109,7 +109,7 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> Measuremen
     if use_gpu:
         resources["GPU"] = exp.gpus_per_trial
     with tempfile.TemporaryDirectory(prefix="mbtune-ddp-") as storage, _train_env(deadline):
-        trainer = TorchTrainer(
+        trainer = _trainer_without_datasets(TorchTrainer)(
             _rank_main,
             train_loop_config={
                 "experiment": exp,
@@ -142,6 +142,21 @@ def measure_ddp(exp: Experiment, config: BatchConfig, *, cwd: str) -> Measuremen
             f"run did not end within {FIT_GRACE_S:g} s more)",
         )
     return outcome.return_value
+
+
+def _trainer_without_datasets(trainer: type) -> type:
+    """Ray Train's ``trainer`` less its datasets callback: a trial feeds its workers no Ray
+    Dataset, and the callback starts a DatasetManager actor for every run all the same (a
+    process of its own that imports Ray Data: 1.7 CPU-s a trial on this machine). Ray
+    builds its callbacks in a private method, so this leaves out only a callback of that
+    name: if Ray renames either, the trial runs with Ray's callbacks, as before."""
+
+    class Trainer(trainer):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if type(c).__name__ != "DatasetsCallback"]
+
+    return Trainer
 
 
 def _resources_problem(exp: Experiment, workers: int) -> str | None:
