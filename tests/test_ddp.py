@@ -224,6 +224,7 @@ def test_ray_train_polls_often_waits_no_longer_than_the_trial_and_watches_no_pre
         assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Data's, as a trainer is made
 def test_a_trials_ray_train_run_starts_no_dataset_manager():
     """A trial feeds its workers no Ray Dataset: its trainer leaves out Ray Train's datasets
     callback (which starts a DatasetManager actor for every run) and keeps the rest. Ray's
