@@ -14,8 +14,10 @@ The job. A decoder of bench/model_parallel.py's shapes (7B, 13B, 34B), sequence 
 4096, bf16 on 80 GB cards, 8 to a node, trained with FSDP2 on 8, 16, 32 and 64 devices (one
 space: every count), a global batch of 256, 512 or 1024 samples; the lattice every (n, m)
 with m in 1, 2, 4, 8, 16 that divides a device's batch, times every setting FSDP2 searches:
-activation checkpointing, ``reshard_after_forward`` and ``grad_sync`` (136 to 160
-configurations, 12 to 123 of them fit).
+activation checkpointing, ``reshard_after_forward`` and ``grad_sync``, each measurement
+once (``grad_sync`` every and last are one where a device runs one micro-batch:
+``BatchConfig.canonical``): 124 to 156 configurations, 11 to 121 of them fit (136 to 160
+and 12 to 123 with those pairs, as the first figures of docs/confidence.md were taken).
 
 A configuration's step on a device, micro-batch by micro-batch (every figure drawn per
 seed in the range given, log-uniform where it spans a factor):
@@ -110,7 +112,8 @@ class Job:
             mode="auto", batch_sizes=[self.batch_size], num_devices=DEVICES,
             micro_batch_sizes=MICRO_BATCH_SIZES,
         )  # fmt: skip
-        return [c.with_settings(s) for s in SETTINGS for c in sizes]
+        # each measurement once: grad_sync every and last are one where g = 1 (canonical)
+        return sorted({c.with_settings(s).canonical() for s in SETTINGS for c in sizes})
 
 
 def draw_job(rng: random.Random) -> Job:

@@ -175,6 +175,9 @@ def test_batch_config_properties():
     assert not c.is_strict
     assert BatchConfig(64, 2, 5).canonical() == BatchConfig(64, 2, 5)  # P 32, g 7: 5+5+5+5+4+4+4
     assert BatchConfig(16, 2, 5).canonical() == BatchConfig(16, 2, 4)
+    # one micro-batch a device: its gradients are synchronised once, whatever grad_sync says
+    assert BatchConfig(32, 2, 16, grad_sync="every").canonical() == BatchConfig(32, 2, 16)
+    assert BatchConfig(32, 2, 8, grad_sync="every").canonical().grad_sync == "every"
     with pytest.raises(LatticeError, match="smaller than num_devices"):
         BatchConfig(2, 4, 1)
 

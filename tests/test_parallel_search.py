@@ -116,6 +116,27 @@ def test_the_space_proposes_every_layout_and_reads_a_wrong_one_as_the_nearest():
     assert proposed <= set(POINTS) and {c.layout for c in proposed} == set(LAYOUTS)
 
 
+def test_the_space_reads_settings_that_are_another_measurement_as_it():
+    # grad_sync every listed alone: at m = 16 (one micro-batch a device) the lattice's
+    # point is the same measurement named grad_sync last (BatchConfig.canonical), so a
+    # sampler that chooses each setting apart may ask for last where only every is listed,
+    # or every where the point is last: each is read as the point it measures
+    sizes = enumerate_configs(mode="auto", batch_sizes=[32], num_devices=[2])
+    points = sorted({c.with_settings((False, True, "every")).canonical() for c in sizes})
+    assert {(c.micro_batch_size, c.grad_sync) for c in points} == {
+        (1, "every"), (2, "every"), (4, "every"), (8, "every"), (16, "last")
+    }
+    space = OptunaSpace(points)
+    for c in points:
+        assert space.decode(space.encode(c)[0]) == c
+    last_at_8 = space.encode(BatchConfig(32, 2, 8, grad_sync="every"))[0] | {"grad_sync": "last"}
+    assert space.decode(last_at_8) == BatchConfig(32, 2, 8, grad_sync="every")
+    every_at_16 = space.encode(BatchConfig(32, 2, 16))[0] | {"grad_sync": "every"}
+    assert space.decode(every_at_16) == BatchConfig(32, 2, 16)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    assert {BatchConfig.from_mapping(space(study.ask())) for _ in range(100)} == set(points)
+
+
 def megatron_speed(c: BatchConfig) -> float:
     """8 devices, B = 64, from Megatron's relations: compute split over t p at an
     efficiency growing with m and falling with a narrower shard (m / t per GEMM), a TP

@@ -9,11 +9,13 @@ from ranks import spawn_ranks
 
 from mbtune.cli import main
 from mbtune.config.load import parse_experiment
+from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import assess
 from mbtune.recommend.observation import Observation
 from mbtune.runs.record import CONFIG_KEY, TrialRecord
-from mbtune.search import run_search
+from mbtune.search import run_search, search_points
+from mbtune.trial.replay import ReplayTable
 
 GIB = 2**30
 MS = (2, 4, 8, 16)
@@ -57,15 +59,19 @@ def test_a_search_over_the_sharding_knobs_recommends_them_and_exports_them(ray_s
 
     exp, rows = _sharded_replay(tmp_path, sampler="grid")
     assert len(exp.configs()) == 16
+    # 14 measurements: at m = 16 a device runs one micro-batch, and grad_sync every and last
+    # synchronise its gradients once, in that micro-batch (BatchConfig.canonical)
+    assert len(search_points(exp)) == 14
     lines: list[str] = []
     outcome = run_search(exp, echo=lines.append)
     best = outcome.summary["recommended"]
     assert (best["micro_batch_size"], best["reshard_after_forward"], best["grad_sync"]) == (
         8, False, "every"
     )  # fmt: skip
-    assert len(outcome.records) == 16 and {r.sharding for r in outcome.records} == {"fsdp"}
-    over = sum(r["peak_memory_bytes"] > 0.95 * 4 * GIB for r in rows)
-    assert sum(r.status == "oom" for r in outcome.records) == over == 5
+    assert len(outcome.records) == 14 and {r.sharding for r in outcome.records} == {"fsdp"}
+    measured = [r for r in rows if r["micro_batch_size"] < 16 or r["grad_sync"] == "last"]
+    over = sum(r["peak_memory_bytes"] > 0.95 * 4 * GIB for r in measured)
+    assert sum(r.status == "oom" for r in outcome.records) == over == 3
     assert any(line.startswith("recommended: micro_batch_size 8") and
                "fsdp, reshard_after_forward false, grad_sync every" in line
                for line in lines)  # fmt: skip
@@ -74,7 +80,7 @@ def test_a_search_over_the_sharding_knobs_recommends_them_and_exports_them(ray_s
     assert {"reshard_after_forward", "grad_sync"} <= set(CONFIG_KEY)
     assert str(frame["reshard_after_forward"].dtype) == "bool"
     assert set(frame["grad_sync"]) == {"last", "every"}
-    assert len(frame.drop_duplicates(list(CONFIG_KEY))) == 16
+    assert len(frame.drop_duplicates(list(CONFIG_KEY))) == 14
     # the exports of that recommendation, as the installed libraries read them
     info = run_info(outcome.run.path)
     export_run(frame, info, "hf")
@@ -100,20 +106,58 @@ def test_a_search_over_the_sharding_knobs_recommends_them_and_exports_them(ray_s
     assert "GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)" in path.read_text()
 
 
+def test_a_replayed_table_answers_for_the_measurement_a_row_is(tmp_path):
+    # a table that names one micro-batch a device grad_sync every answers for the same
+    # measurement named last, as a search proposes it (BatchConfig.canonical)
+    table = tmp_path / "every.csv"
+    table.write_text("batch_size,num_devices,micro_batch_size,grad_sync,samples_per_s\n"
+                     "32,2,16,every,300\n32,2,8,every,250\n")  # fmt: skip
+    replay = ReplayTable(table)
+    assert replay.lookup(BatchConfig(32, 2, 16))["samples_per_s"] == 300.0
+    assert replay.lookup(BatchConfig(32, 2, 8, grad_sync="every"))["samples_per_s"] == 250.0
+    with pytest.raises(MbtuneError, match="has no row for .* micro_batch_size 8; it holds 2"):
+        replay.lookup(BatchConfig(32, 2, 8))  # two micro-batches: last is another measurement
+
+
 def test_an_out_of_memory_bounds_the_same_settings_at_as_many_or_fewer_devices():
-    points = [BatchConfig(32, n, m, grad_sync=s) for n in (1, 2, 4) for m in (2, 4, 8)
-              for s in ("last", "every")]  # fmt: skip
+    # each measurement once: on 4 devices m = 8 is one micro-batch a device, every = last
+    points = sorted({BatchConfig(32, n, m, grad_sync=s).canonical() for n in (1, 2, 4)
+                     for m in (2, 4, 8) for s in ("last", "every")})  # fmt: skip
+    assert len(points) == 17
     ok = Observation(BatchConfig(32, 2, 2), "ok", 100.0, (10.0, 10.1))
     # sharded, m >= 4 on 1 or 2 devices with grad_sync last: on 4 devices each holds a
     # smaller shard, and grad_sync every holds memory on a scale of its own
     oom = Observation(BatchConfig(32, 2, 4), "oom")
     a = assess(points, [ok, oom], sharded=True)
     assert a.feasible == len(points) - 4
-    b = assess(points, [ok, Observation(BatchConfig(32, 4, 8, grad_sync="every"), "oom")],
+    b = assess(points, [ok, Observation(BatchConfig(32, 2, 8, grad_sync="every"), "oom")],
                sharded=True)  # fmt: skip
-    assert b.feasible == len(points) - 3  # m = 8 with every, on 1, 2 and 4 devices
+    assert b.feasible == len(points) - 2  # m = 8 with every, on 1 and 2 devices
     # unsharded, each device holds the whole model: m >= 4 on every device count
     assert assess(points, [ok, oom]).feasible == len(points) - 6
+
+
+def test_one_micro_batch_a_device_is_on_grad_sync_everys_memory_scale():
+    # sharded, grad_sync last accumulates unsharded gradients over a device's micro-batches;
+    # with one (g = 1) there are none to hold, as with every: an out of memory at m = 8 with
+    # last (g = 2) says nothing of m = 16 (g = 1), one at m = 16 bounds every's larger m
+    points = sorted({BatchConfig(32, 2, m, grad_sync=s).canonical() for m in (4, 8, 16)
+                     for s in ("last", "every")})  # fmt: skip
+    assert [(c.micro_batch_size, c.grad_sync) for c in points] == [
+        (4, "every"), (4, "last"), (8, "every"), (8, "last"), (16, "last")
+    ]
+    assert BatchConfig(32, 2, 16).memory_variant(True) == BatchConfig(
+        32, 2, 8, grad_sync="every"
+    ).variant
+    assert BatchConfig(32, 2, 16).memory_variant(False) == BatchConfig(32, 2, 8).variant
+    ok = Observation(BatchConfig(32, 2, 4), "ok", 100.0, (10.0, 10.1))
+    last = assess(points, [ok, Observation(BatchConfig(32, 2, 8), "oom")], sharded=True)
+    assert last.feasible == len(points) - 1  # m = 8 with last only
+    one = assess(points, [ok, Observation(BatchConfig(32, 2, 16), "oom")], sharded=True)
+    assert one.feasible == len(points) - 1  # m = 16 itself: no larger m of every's
+    every = assess(points, [ok, Observation(BatchConfig(32, 2, 8, grad_sync="every"), "oom")],
+                   sharded=True)  # fmt: skip
+    assert every.feasible == len(points) - 2  # m = 8 with every, and m = 16
 
 
 def test_a_predicted_record_reads_back_as_an_oom_of_no_trial():

@@ -111,6 +111,16 @@ class BatchConfig:
         micro-batch on each variant's own scale."""
         return (*self.layout, *self.settings)
 
+    def memory_variant(self, sharded: bool) -> tuple[Any, ...]:
+        """The :attr:`variant` whose scale memory grows on with m. Sharded, a device that
+        runs one micro-batch (g = 1) reduce-scatters its gradients in it, as
+        ``grad_sync: every`` does, and accumulates no unsharded gradients (``last`` does,
+        with more than one): ``every``'s scale, whichever it is named
+        (:meth:`canonical` names it ``last``)."""
+        if sharded and self.grad_accum_steps == 1:
+            return dataclasses.replace(self, grad_sync="every").variant
+        return self.variant
+
     @property
     def per_device_batch(self) -> int:
         """P = ceil(B / d): one replica's batch (each device's, without model parallelism)."""
@@ -151,8 +161,13 @@ class BatchConfig:
         return dataclasses.replace(self, **dict(zip(SETTINGS, settings, strict=True)))
 
     def canonical(self) -> BatchConfig:
-        """The same measurement, named by the micro-batch it really runs."""
-        return dataclasses.replace(self, micro_batch_size=self.canonical_micro_batch_size)
+        """The same measurement, named by the micro-batch it really runs and, where a device
+        runs one micro-batch (g = 1), by ``grad_sync: last``: its gradients are synchronised
+        once, in that micro-batch's backward pass, whichever is set."""
+        sync = "last" if self.grad_accum_steps == 1 else self.grad_sync
+        return dataclasses.replace(
+            self, micro_batch_size=self.canonical_micro_batch_size, grad_sync=sync
+        )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> BatchConfig:

@@ -427,7 +427,8 @@ def feasible_points(
     every configuration of the same variant (the layout, t, p and the schedule, and the
     settings of a step, activation checkpointing and FSDP's: memory grows with m on each
     one's own scale) at m or more, on any number of devices (each holds its whole stage),
-    or ``sharded``, on n or fewer (each holds a share of it, larger on fewer). A pipeline
+    or ``sharded``, on n or fewer (each holds a share of it, larger on fewer; and one
+    micro-batch a device is on ``grad_sync: every``'s scale: BatchConfig.memory_variant). A pipeline
     holds up to all of a replica's P samples' activations in flight (gpipe: every
     micro-batch), so there it bounds only a per-replica batch P as large or larger."""
     failed: set[BatchConfig] = set()
@@ -436,7 +437,7 @@ def feasible_points(
     for o in observed:
         c = o.config
         sizes = [c.micro_batch_size] * (o.status == "oom") + list(o.oom_micro_batch_sizes)
-        oom_at.setdefault(c.variant, []).extend(
+        oom_at.setdefault(c.memory_variant(sharded), []).extend(
             (c.num_devices, c.per_device_batch, m) for m in sizes
         )
         if o.status not in ("ok", "oom"):
@@ -450,7 +451,7 @@ def feasible_points(
             c.micro_batch_size >= m
             and (c.num_devices <= n or not sharded)
             and (c.per_device_batch >= p or not piped)
-            for n, p, m in oom_at.get(c.variant, ())
+            for n, p, m in oom_at.get(c.memory_variant(sharded), ())
         )
 
     return {c for c in (p.canonical() for p in points) if (c in ran or c not in failed) and fits(c)}

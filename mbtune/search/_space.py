@@ -3,15 +3,16 @@ parameters are *indices* into fixed, sorted lists (one list of device counts, on
 batch sizes per device count) and the micro-batch size's log2, so that every proposal is
 a point of the experiment's lattice, valid by construction (a layout, t, p and the
 schedule, that cannot run the chosen (devices, batch) is read as the nearest that can, as
-the micro-batch size is). Each parameter name always has
-the same range (Optuna forbids dynamic ones) and its order (small to large) is something
-TPE and GP can exploit. Every sampler of mbtune proposes through it, Optuna's and mbtune's
-own (mbtune.search._samplers).
+the micro-batch size is, and settings of a step that are another's measurement as its).
+Each parameter name always has the same range (Optuna forbids dynamic ones) and its order
+(small to large) is something TPE and GP can exploit. Every sampler of mbtune proposes
+through it, Optuna's and mbtune's own (mbtune.search._samplers).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,14 @@ class OptunaSpace:
         """The layouts (t, p, schedule) each (devices, batch) runs."""
         self.by_layout: dict[tuple, list[int]] = defaultdict(list)
         """The micro-batch sizes of each (devices, batch, layout)."""
+        self.settings: dict[tuple, list[tuple]] = defaultdict(list)
+        """The settings of a step (mbtune.lattice.SETTINGS) each (devices, batch, layout,
+        micro-batch) runs with: every combination the space lists, but where two are one
+        measurement (``BatchConfig.canonical``: grad_sync at one micro-batch a device)."""
+        for c in sorted(set(points), key=lambda c: str(c.settings)):
+            self.settings[c.num_devices, c.batch_size, c.layout, c.micro_batch_size].append(
+                c.settings
+            )
         # (B, n, m) once each, whatever layout and settings of a step come with it
         for n, b, m in sorted({(c.num_devices, c.batch_size, c.micro_batch_size) for c in points}):
             if not self.by_n[n] or self.by_n[n][-1] != b:
@@ -99,7 +108,12 @@ class OptunaSpace:
         m = min(ms, key=lambda m: abs(math.log2(m) - x))
         c = BatchConfig(b, n, m, tensor_parallel=t, pipeline_parallel=p,
                         pipeline_schedule=schedule)  # fmt: skip
-        return c.with_settings([chosen[key] for key in SETTINGS]).sizes()
+        wanted = tuple(chosen[key] for key in SETTINGS)
+        runs = self.settings[n, b, (t, p, schedule), m]
+        # the settings chosen, or (where those are another's measurement, or not listed
+        # with this micro-batch) the ones of the lattice that agree with most of them
+        settings = max(runs, key=lambda s: sum(map(operator.eq, s, wanted)))
+        return c.with_settings(settings).sizes()
 
 
 def _nearest_layout(layouts: list[tuple], wanted: tuple) -> tuple:

@@ -41,6 +41,8 @@ class ReplayTable:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: dict[BatchConfig, dict[str, Any]] = {}
+        self.measured: dict[BatchConfig, dict[str, Any]] = {}
+        """The rows by the measurement each is (``BatchConfig.canonical``)."""
         try:
             with path.open(newline="", encoding="utf-8") as f:
                 reader = csv.DictReader(f)
@@ -78,9 +80,10 @@ class ReplayTable:
                 "an ok row needs a positive samples_per_s"
             )
         self.rows[config] = entry
+        self.measured.setdefault(config.canonical(), entry)
 
     def lookup(self, config: BatchConfig) -> dict[str, Any]:
-        row = self.rows.get(config) or self.rows.get(config.canonical())
+        row = self.rows.get(config) or self.measured.get(config.canonical())
         if row is None:
             raise MbtuneError(
                 f"trial.table: {self.path} has no row for batch_size {config.batch_size}, "

@@ -54,7 +54,7 @@ def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
     trial would judge its measured peak (mbtune.trial.memory.over_budget), without
     predicting each: memory grows with the micro-batch a device runs, and with the batch
     at the same micro-batch, so for each (n, layout, settings of a step: BatchConfig.
-    variant; each layout holds its own share of the model), from the smallest batch
+    memory_variant; each layout holds its own share of the model), from the smallest batch
     up, a search over m from the largest down finds the smallest m predicted over the
     budget: it and every larger m are over, as is every m at least as large at a larger
     batch. Runs
@@ -78,8 +78,10 @@ def screen(exp: Experiment, configs: list[BatchConfig]) -> Screening:
         return peaks[c] > usable
 
     groups: dict[tuple[Any, ...], dict[int, list[BatchConfig]]] = {}
+    sharded = exp.trial.sharding == "fsdp"
     for c in sorted({c.canonical() for c in configs}):
-        groups.setdefault((c.num_devices, *c.variant), {}).setdefault(c.batch_size, []).append(c)
+        variant = c.memory_variant(sharded)
+        groups.setdefault((c.num_devices, *variant), {}).setdefault(c.batch_size, []).append(c)
     found: list[tuple[BatchConfig, str]] = []
     try:
         for by_batch in groups.values():
