@@ -549,6 +549,15 @@ def test_every_way_a_search_ends_is_one_sentence():
                             "(search.max_repeats 5)")  # fmt: skip
     never = say(status="finished", measured=6, target=100)
     assert never.endswith("(search.confidence_target 100: it never stops on confidence)")
+    # a rival named by its settings too, where the space searches them: else "m = 4" would
+    # name the recommendation itself
+    points = tuple(BatchConfig(32, 2, m, grad_sync=s) for m in (2, 4) for s in ("last", "every"))
+    looked = [Observation(BatchConfig(32, 2, 4), "ok", v, (50.8, 50.7, 50.9)) for v in (630, 628)]
+    slow = Observation(BatchConfig(32, 2, 2), "ok", 500.0, (50.8, 50.7, 50.9))
+    sharded = SearchModel(points, noise_floor=0.035, sharded=True).assess([*looked, slow])
+    said = end_reason(sharded, **{**common, "budget": 3, "measured": 3}, status="finished")
+    assert said.endswith("it lacked a look at its strongest rival (num_devices 2, batch_size "
+                         "32, micro_batch_size 4, grad_sync every)")  # fmt: skip
 
 
 @pytest.mark.parametrize("sampler", ["model", "grid", "halving", "doubling"])

@@ -112,7 +112,7 @@ class BatchConfig:
         return (*self.layout, *self.settings)
 
     def memory_variant(self, sharded: bool) -> tuple[Any, ...]:
-        """The :attr:`variant` whose scale memory grows on with m. Sharded, a device that
+        """The :attr:`variant` on whose scale memory grows with m. Sharded, a device that
         runs one micro-batch (g = 1) reduce-scatters its gradients in it, as
         ``grad_sync: every`` does, and accumulates no unsharded gradients (``last`` does,
         with more than one): ``every``'s scale, whichever it is named

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from mbtune.lattice import BatchConfig
 from mbtune.recommend.confidence import TOLERANCE, Assessment
 from mbtune.recommend.tie import TIE_LOOKS, TIE_RESOLVE_LOOKS
-from mbtune.report import sizes
+from mbtune.report import sizes, step_suffix
 from mbtune.runs.record import CONFIG_KEY, SIZES
 
 __all__ = [
@@ -290,7 +290,9 @@ def end_reason(
         lacked.append("another look at its recommendation beside a rival level with it")
     elif rival is not None:
         look = "another look" if a.looks.get(rival, 0) else "a look"
-        lacked.append(f"{look} at its strongest rival ({sizes(rival)})")
+        lacked.append(
+            f"{look} at its strongest rival ({sizes(rival)}{step_suffix(None, *rival.settings)})"
+        )
     needs = f": it lacked {' and '.join(lacked)}" if lacked else ""
     if a.confidence >= target:
         return f"{ran_out} {score}, above its target {target}, before it could stop{needs}"
