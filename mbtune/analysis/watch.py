@@ -29,7 +29,7 @@ from mbtune.config.load import load_experiment
 from mbtune.errors import MbtuneError
 from mbtune.lattice import BatchConfig
 from mbtune.report import stream_line, tie_line
-from mbtune.report.words import COLUMNS, shown_columns
+from mbtune.report.words import shown_columns
 from mbtune.runs.record import TrialRecord
 from mbtune.runs.rundir import SUMMARY_FILE, RunDir, read_trials
 
@@ -111,15 +111,15 @@ def _best_table(ranking: Sequence[Mapping[str, Any]]) -> list[str]:
     if not ranked:
         return []
     # a layout's or a step's setting only where a configuration has it off its default
-    shown = shown_columns([c for c, _ in ranked], [key for key, _ in COLUMNS])
-    heads = "".join(f"  {label}" for _, label, _ in shown)
+    shown = shown_columns([c for c, _ in ranked])
+    heads = "".join(f"  {label}" for label, _ in shown)
     lines = ["best configurations:",
              f"  {'rank':>4}  {'num_devices':>11}  {'batch_size':>10}  {'micro_batch_size':>16}"
              f"{heads}  {'grad_accum':>10}  {'est. samples/s':>14}  {'looks':>5}"]  # fmt: skip
     for i, (c, entry) in enumerate(ranked, start=1):
         speed = entry.get("estimated_samples_per_s")
         estimate = f"{speed:,.1f}" if isinstance(speed, int | float) else "-"
-        on = "".join(f"  {words[i - 1]}" for _, _, words in shown)
+        on = "".join(f"  {words[i - 1]}" for _, words in shown)
         lines.append(
             f"  {i:>4}  {c.num_devices:>11}  {c.batch_size:>10}  {c.micro_batch_size:>16}{on}"
             f"  {c.grad_accum_steps:>10}  {estimate:>14}  {entry.get('measurements', 1):>5}"

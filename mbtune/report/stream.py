@@ -146,7 +146,7 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
         f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>14}  " * split
         + f"{'batch_size':>10}  {'micro_batch_size':>16}  "
-        + "".join(f"{label}  " for _, label, _ in shown)
+        + "".join(f"{label}  " for label, _ in shown)
         + f"{'grad_accum':>10}  {'samples/s':>10}  {'estimated':>10}  {'compile_s':>9}"
     ]  # fmt: skip
     for i, (r, c) in enumerate(zip(top, configs, strict=True), start=1):
@@ -160,7 +160,7 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
             + f"{tp:>14}  " * split
             + f"{r['batch_size']:>10}  "
             f"{r['micro_batch_size']:>16}  "
-            + "".join(f"{words[i - 1]}  " for _, _, words in shown)
+            + "".join(f"{words[i - 1]}  " for _, words in shown)
             + f"{r['grad_accum_steps']:>10}  "
             f"{r['samples_per_s']:>10,.1f}  {estimated:>10}  {compile_s:>9}"
         )

@@ -134,19 +134,21 @@ as a table of configurations heads them."""
 
 
 def shown_columns(
-    configs: Sequence[BatchConfig], keys: Collection[str]
-) -> list[tuple[str, str, list[str]]]:
-    """The columns of ``keys`` (of :data:`COLUMNS`) that a table of ``configs`` shows: only
-    where a configuration has it off its default, so that a table of configurations
-    without them reads as it always has; each as (key, heading, its words, one a config,
-    right-aligned to the heading): on/off for activation checkpointing, true/false for
-    reshard_after_forward, the value itself otherwise."""
+    configs: Sequence[BatchConfig], keys: Collection[str] | None = None
+) -> list[tuple[str, list[str]]]:
+    """The columns of ``keys`` (of :data:`COLUMNS`; None: all of them) that a table of
+    ``configs`` shows: only where a configuration has it off its default, so that a table
+    of configurations without them reads as it always has; each as (heading, its words,
+    one a config, right-aligned to the heading): on/off for activation checkpointing,
+    true/false for reshard_after_forward, the value itself otherwise."""
     default = BatchConfig(1, 1, 1)
     shown = []
     for key, label in COLUMNS:
-        if key in keys and any(getattr(c, key) != getattr(default, key) for c in configs):
+        if keys is not None and key not in keys:
+            continue
+        if any(getattr(c, key) != getattr(default, key) for c in configs):
             words = [_column_word(key, getattr(c, key)) for c in configs]
-            shown.append((key, label, [f"{w:>{len(label)}}" for w in words]))
+            shown.append((label, [f"{w:>{len(label)}}" for w in words]))
     return shown
 
 
