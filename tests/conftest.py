@@ -54,6 +54,18 @@ def _module_fixtures(item: pytest.Item) -> list[str]:
     return sorted(name for name, d in defs.items() if d and d[-1].scope == "module")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Torch computes on one thread in the test process, as a trial that holds one CPU does
+    (mbtune sets a trial's threads from ``ray.cpus_per_trial``). The suite's two workers
+    share two cores with the processes the tests start: with torch's default of a thread
+    per core, each worker's OpenMP threads wait for a core the other holds, spinning: a
+    test of real steps took twice the CPU beside one busy core (docs/benchmarks.md)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     """The session's Ray. Its processes, and so the trial processes of every search on it,

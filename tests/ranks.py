@@ -35,11 +35,14 @@ and the test fails naming it, where a join without end would hold the suite."""
 
 
 def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a rank's error raised here."""
+    """``fn(rank, *args)`` in ``nprocs`` processes, each computing on one thread (as a
+    trial's rank that holds one CPU: the ranks share this machine's cores with each other
+    and the suite's other worker, see tests/conftest.py), joined; a rank's error raised
+    here."""
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: once
-    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+    ranks = mp.start_processes(_on_one_thread, args=(fn, *args), nprocs=nprocs, join=False,
                                start_method="forkserver")  # fmt: skip
     deadline = time.monotonic() + HUNG_S
     while not ranks.join(timeout=1):
@@ -48,3 +51,10 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
             for p in ranks.processes:
                 p.kill()
             raise AssertionError(f"ranks {hung} of {nprocs} still running after {HUNG_S} s")
+
+
+def _on_one_thread(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    fn(rank, *args)

@@ -259,7 +259,6 @@ def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
     from mbtune.trial.pipeline import measure_model_parallel
 
     os.chdir(tmp_path)  # a user model is imported from here
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         found = []
