@@ -36,6 +36,14 @@ GRADIENT_CASES = [
 ]
 
 
+_KEPT: list = []
+"""What a rank keeps to its end: its process group. Freed with the last DDP that holds it,
+its destructor joins gloo's threads holding the GIL, while one of them may still need the
+GIL to release the comm hook's last all-reduce (whose thread-local state holds a Python
+object): a deadlock, one rank in about 15 under load (pytorch/pytorch#56297). A rank's
+process ends with os._exit (multiprocessing's), so the group is never destroyed."""
+
+
 def _gradient_rank(rank: int, world: int, init: str) -> None:
     """One rank: DDP + accumulation over its share must give the full-batch gradient."""
     import torch.distributed as dist
@@ -81,6 +89,7 @@ def _gradient_rank(rank: int, world: int, init: str) -> None:
             for expected, p in zip(full, module.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
     finally:
+        _KEPT.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 
