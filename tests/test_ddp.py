@@ -36,61 +36,47 @@ GRADIENT_CASES = [
 ]
 
 
-_KEPT: list = []
-"""What a rank keeps to its end: its process group. Freed with the last DDP that holds it,
-its destructor joins gloo's threads holding the GIL, while one of them may still need the
-GIL to release the comm hook's last all-reduce (whose thread-local state holds a Python
-object): a deadlock, one rank in about 15 under load (pytorch/pytorch#56297). A rank's
-process ends with os._exit (multiprocessing's), so the group is never destroyed."""
-
-
-def _gradient_rank(rank: int, world: int, init: str) -> None:
+def _gradient_rank(rank: int, world: int) -> None:
     """One rank: DDP + accumulation over its share must give the full-batch gradient."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from mbtune.models.build import build_model
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        for name, config in GRADIENT_CASES:
-            options = {"n_layer": 1, "d_model": 16, "seq_len": 4, "vocab_size": 32}
-            spec = build_model(name, options if name == "gpt" else {}, seed=0)
-            module = spec.module.double()
-            torch.manual_seed(1)  # every rank makes the same global batch
-            batch = spec.make_batch(config.batch_size, torch.device("cpu"))
-            data = tuple(t.double() if t.is_floating_point() else t for t in batch)
-            spec.loss_fn(module, data).backward()  # the single-process full-batch gradient
-            full = [p.grad.clone() for p in module.parameters()]
-            module.zero_grad(set_to_none=True)
+    for name, config in GRADIENT_CASES:
+        options = {"n_layer": 1, "d_model": 16, "seq_len": 4, "vocab_size": 32}
+        spec = build_model(name, options if name == "gpt" else {}, seed=0)
+        module = spec.module.double()
+        torch.manual_seed(1)  # every rank makes the same global batch
+        batch = spec.make_batch(config.batch_size, torch.device("cpu"))
+        data = tuple(t.double() if t.is_floating_point() else t for t in batch)
+        spec.loss_fn(module, data).backward()  # the single-process full-batch gradient
+        full = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
 
-            start = sum(config.device_batch_sizes[:rank])
-            share = tuple(t[start : start + config.device_batch_sizes[rank]] for t in data)
-            sizes = rank_micro_batches(config, rank)
-            model = DistributedDataParallel(module)
-            reduces = []
+        start = sum(config.device_batch_sizes[:rank])
+        share = tuple(t[start : start + config.device_batch_sizes[rank]] for t in data)
+        sizes = rank_micro_batches(config, rank)
+        model = DistributedDataParallel(module)
+        reduces = []
 
-            def counting(state, bucket, reduces=reduces):
-                # reduced here, a completed future handed back: with gloo a callback
-                # chained by fut.then() is released by gloo's thread, which needs the GIL,
-                # and a DDP freed meanwhile joins that thread holding it (a deadlock)
-                reduces.append(bucket.buffer().numel())
-                dist.all_reduce(bucket.buffer())
-                done = torch.futures.Future()
-                done.set_result(bucket.buffer().div_(world))
-                return done
+        def counting(state, bucket, reduces=reduces):
+            # reduced here, a completed future handed back: no Python callback left for
+            # gloo's threads to release (the group outlives the rank: tests/ranks.py)
+            reduces.append(bucket.buffer().numel())
+            dist.all_reduce(bucket.buffer())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer().div_(world))
+            return done
 
-            model.register_comm_hook(None, counting)
-            batches = [tuple(t[a : a + m] for t in share) for a, m in _offsets(sizes)]
-            total = config.batch_size / world
-            synced_step(spec.loss_fn, model, batches, total=total, no_sync=model.no_sync)
-            # the tiny models fit one bucket: one all-reduce per step, whatever g is
-            assert len(reduces) == 1, (name, config, reduces)
-            for expected, p in zip(full, module.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
-    finally:
-        _KEPT.append(dist.group.WORLD)
-        dist.destroy_process_group()
+        model.register_comm_hook(None, counting)
+        batches = [tuple(t[a : a + m] for t in share) for a, m in _offsets(sizes)]
+        total = config.batch_size / world
+        synced_step(spec.loss_fn, model, batches, total=total, no_sync=model.no_sync)
+        # the tiny models fit one bucket: one all-reduce per step, whatever g is
+        assert len(reduces) == 1, (name, config, reduces)
+        for expected, p in zip(full, module.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12)
 
 
 def _offsets(sizes):
@@ -103,7 +89,7 @@ def _offsets(sizes):
 @pytest.mark.slow
 def test_ddp_accumulation_gives_the_full_batch_gradient(tmp_path):
     # a rank's failed assertion is raised here, with the rank's own traceback
-    spawn_ranks(_gradient_rank, (2, f"file://{tmp_path}/pg"), nprocs=2)
+    spawn_ranks(_gradient_rank, (), nprocs=2, rendezvous=tmp_path / "pg")
 
 
 def test_each_rank_takes_its_share_in_even_micro_batches():

@@ -249,34 +249,28 @@ def _models(tmp_path) -> dict[str, dict]:
     return {"gpt": GPT, "llama": LLAMA, "user": {"name": "stack_model:build"}}
 
 
-def _rank(rank: int, world: int, init: str, tmp_path, cases: list) -> None:
+def _rank(rank: int, world: int, tmp_path, cases: list) -> None:
     """One rank: each (model, trial.sharding, configuration) measured in turn with
     ``trial.eval``, rank 0's figures written out."""
     import os
 
-    import torch.distributed as dist
-
     from mbtune.trial.pipeline import measure_model_parallel
 
     os.chdir(tmp_path)  # a user model is imported from here
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        found = []
-        for model, sharding, config in cases:
-            exp = _experiment(model, num_devices=config.num_devices)
-            exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, sharding=sharding,
-                                                                     eval=True))  # fmt: skip
-            m = measure_model_parallel(exp, config, CPU)
-            found.append({"status": m.status, "reason": m.reason, "loss": m.loss,
-                          "eval_s": m.eval_s, "compile_fallback": m.compile_fallback})  # fmt: skip
-        if rank == 0:
-            (tmp_path / "found.json").write_text(json.dumps(found))
-    finally:
-        dist.destroy_process_group()
+    found = []
+    for model, sharding, config in cases:
+        exp = _experiment(model, num_devices=config.num_devices)
+        exp = dataclasses.replace(exp, trial=dataclasses.replace(exp.trial, sharding=sharding,
+                                                                 eval=True))  # fmt: skip
+        m = measure_model_parallel(exp, config, CPU)
+        found.append({"status": m.status, "reason": m.reason, "loss": m.loss,
+                      "eval_s": m.eval_s, "compile_fallback": m.compile_fallback})  # fmt: skip
+    if rank == 0:
+        (tmp_path / "found.json").write_text(json.dumps(found))
 
 
 def _spawn(tmp_path, world: int, cases: list) -> list[dict]:
-    spawn_ranks(_rank, (world, f"file://{tmp_path}/pg", tmp_path, cases), nprocs=world)
+    spawn_ranks(_rank, (tmp_path, cases), nprocs=world, rendezvous=tmp_path / "pg")
     return json.loads((tmp_path / "found.json").read_text())
 
 

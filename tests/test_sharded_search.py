@@ -247,14 +247,11 @@ def test_configurations_predicted_over_the_budget_are_recorded_without_a_trial(
 # -- the knobs on two gloo ranks: what each changes, and the step they leave as it was ------
 
 
-def _knobs_rank(rank: int, world: int, init: str, reshard: bool, sync: str) -> None:
+def _knobs_rank(rank: int, world: int, reshard: bool, sync: str) -> None:
     """FSDP on 2 ranks with ``reshard`` and ``sync``: the gathered parameters kept after the
     forward pass or not, the first micro-batch's gradients reduced or not, and the step's
     gradients those of one process's full batch either way."""
-    import os
-
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from mbtune.config.trial import TrialConfig
@@ -265,41 +262,35 @@ def _knobs_rank(rank: int, world: int, init: str, reshard: bool, sync: str) -> N
     cpu = torch.device("cpu")
     gpt = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 8, "vocab_size": 64,
            "dropout": 0.0}  # fmt: skip
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        whole = build_model("gpt", gpt, seed=3)
-        with torch.device("meta"):
-            spec = build_model("gpt", gpt, seed=3)
-        trial = TrialConfig(parallel="ddp", sharding="fsdp", compile=False, precision="fp32")
-        group = FullyShardedGroup(cpu, trial, seed=3, reshard_after_forward=reshard,
-                                  grad_sync=sync)  # type: ignore[arg-type]  # fmt: skip
-        model = group.data_parallel(group.place(spec.module, cpu))
-        torch.manual_seed(1)
-        batch = whole.make_batch(8, cpu)
-        whole.loss_fn(whole.module, batch).backward()
-        share = tuple(t[4 * rank : 4 * rank + 4] for t in batch)
-        first, last = [tuple(t[a : a + 2] for t in share) for a in (0, 2)]
-        block = model.blocks[0]
-        loss = spec.loss_fn(model, first) * (2 / 4)
-        # reshard_after_forward false: the block's parameters stay gathered (whole tensors)
-        assert all(isinstance(p, DTensor) == reshard for p in block.parameters())
-        with group.no_sync(model):
-            loss.backward()
-        # grad_sync every: the first micro-batch's gradients were reduce-scattered already
-        assert all((p.grad is not None) == (sync == "every") for p in model.parameters())
-        accumulate_gradients(spec.loss_fn, model, [last], total=4)
-        for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # as tests/test_sharding.py's ranks: gloo's threads can abort the teardown
+    whole = build_model("gpt", gpt, seed=3)
+    with torch.device("meta"):
+        spec = build_model("gpt", gpt, seed=3)
+    trial = TrialConfig(parallel="ddp", sharding="fsdp", compile=False, precision="fp32")
+    group = FullyShardedGroup(cpu, trial, seed=3, reshard_after_forward=reshard,
+                              grad_sync=sync)  # type: ignore[arg-type]  # fmt: skip
+    model = group.data_parallel(group.place(spec.module, cpu))
+    torch.manual_seed(1)
+    batch = whole.make_batch(8, cpu)
+    whole.loss_fn(whole.module, batch).backward()
+    share = tuple(t[4 * rank : 4 * rank + 4] for t in batch)
+    first, last = [tuple(t[a : a + 2] for t in share) for a in (0, 2)]
+    block = model.blocks[0]
+    loss = spec.loss_fn(model, first) * (2 / 4)
+    # reshard_after_forward false: the block's parameters stay gathered (whole tensors)
+    assert all(isinstance(p, DTensor) == reshard for p in block.parameters())
+    with group.no_sync(model):
+        loss.backward()
+    # grad_sync every: the first micro-batch's gradients were reduce-scattered already
+    assert all((p.grad is not None) == (sync == "every") for p in model.parameters())
+    accumulate_gradients(spec.loss_fn, model, [last], total=4)
+    for p, q in zip(model.parameters(), whole.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("reshard", "sync"), [(False, "every")])  # the defaults: test_sharding
 def test_the_knobs_change_what_a_rank_holds_and_not_the_gradients(tmp_path, reshard, sync):
-    spawn_ranks(_knobs_rank, (2, f"file://{tmp_path}/pg", reshard, sync), nprocs=2)
+    spawn_ranks(_knobs_rank, (reshard, sync), nprocs=2, rendezvous=tmp_path / "pg")
 
 
 @pytest.mark.parametrize("sampler", ["grid", "model"])
