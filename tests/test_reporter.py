@@ -127,6 +127,16 @@ def test_the_summary_compares_with_base_and_the_users_configuration():
     assert even[1, 32]["break_even_steps"] == 157
 
 
+def test_a_configuration_measured_again_keeps_the_compile_time_of_its_first_look():
+    # the second look at (2, 8) loaded its graphs from the compile cache: 0.5 s, not 20
+    rows = [row(1, 8, 400.0, compile_s=10.0), row(2, 8, 500.0, compile_s=20.0),
+            row(2, 8, 500.0, compile_s=0.5)]  # fmt: skip
+    s = Reporter(POINTS).summary(rows, "finished", [{"objective": 400.0}])
+    assert s["recommended"]["compile_s"] == 20.0 and s["recommended"]["measurements"] == 2
+    [even] = s["compile_break_even"]
+    assert even["against"]["micro_batch_size"] == 8 and even["extra_compile_s"] == 10.0
+
+
 def test_the_recommended_batch_size_is_the_valid_one_nearest_the_users():
     r = Reporter(POINTS, user_batch_size=100)
     assert r.recommended_batch_size(BatchConfig(32, 2, 8)) == 96  # 96 and 112 around 100
