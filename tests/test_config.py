@@ -282,6 +282,9 @@ BAD = [
     ({"train_input": {"batch_sise": 8}}, r"^train_input\.batch_sise: unknown key; valid keys: "
      r".*\(did you mean 'batch_size'\?\)"),
     ({"trainput": {}}, r"^trainput: unknown key; .*\(did you mean 'train_input'\?\)"),
+    # another tuner's name for the number of trials: mbtune's, not the nearest spelling
+    ({"search": {"max_trials": 8}}, r"^search\.max_trials: unknown key; .*\(did you mean "
+     r"'num_samples'\?\)$"),
     ({"search": {"sampler": "tpee"}}, r"^search\.sampler: 'tpee' is not one of: tpe, gp, "
      r"random, model, grid, halving, doubling \(did you mean 'tpe'\?\)"),
     ({"search": {"objective": "speed"}}, r"^search\.objective: 'speed' is not one of"),

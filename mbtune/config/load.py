@@ -353,6 +353,19 @@ def _space_path(value: str, base: Path) -> Path | Traversable:
 # converting one mapping
 
 
+OTHER_TOOLS_NAMES = {
+    "search.max_trials": "num_samples",  # Keras Tuner, NNI
+    "search.n_trials": "num_samples",  # Optuna's study.optimize
+    "search.num_trials": "num_samples",
+    "search.trials": "num_samples",
+    "search.timeout": "time_budget_s",  # Optuna's study.optimize
+    "search.time_budget": "time_budget_s",
+}
+"""Keys other tuners name what mbtune calls otherwise: an unknown key that is one of them
+is answered with mbtune's name, where spelling alone would suggest another key
+(``max_trials`` is nearest ``max_repeats``)."""
+
+
 class _Section:
     """One mapping of the YAML: checks its type and its keys."""
 
@@ -371,9 +384,10 @@ class _Section:
             if not isinstance(key, str):
                 raise ConfigError(self.at(str(key)), f"keys must be text, got {kind_of(key)}")
             if known is not None and key not in known:
+                ours = OTHER_TOOLS_NAMES.get(self.at(key))
+                hint = f" (did you mean {ours!r}?)" if ours else did_you_mean(key, known)
                 raise ConfigError(
-                    self.at(key),
-                    f"unknown key; valid keys: {', '.join(known)}{did_you_mean(key, known)}",
+                    self.at(key), f"unknown key; valid keys: {', '.join(known)}{hint}"
                 )
 
     def at(self, key: str) -> str:
