@@ -67,8 +67,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "mbtune_recommended_speedup",
-        "the recommendation's estimated performance: its objective over the run's first "
-        "recommendation's (`estimated_performance`, the stream's `1.23x base`)",
+        "the recommendation's estimated performance: the model's estimate of its objective "
+        "over that of the run's first recommendation (`estimated_performance`, the stream's "
+        "`1.23x base`)",
     ),
     Metric(
         "mbtune_recommended_samples_per_s",

@@ -87,7 +87,9 @@ def test_analyze_a_finished_search_end_to_end(replay_run, capsys):
     code = main(["analyze", str(replay_run)])
     out = capsys.readouterr().out
     assert code == 0
-    first = out.split("trials, best first by samples_per_s:")[1].splitlines()[2].split()
+    # a search's run is ranked by its model's estimates, and the table says so
+    title = "trials, best first by the run's ranking (estimated_samples_per_s), then samples_per_s:"
+    first = out.split(title)[1].splitlines()[2].split()
     assert first[:5] == ["1", "4", "4", "2", "1"]  # rank, trial, B, n, m: 2 devices x 1
     for name in ("plot-throughput.png", "plot-memory.png", "plot-step-time.png"):
         assert (replay_run / name).read_bytes().startswith(b"\x89PNG")

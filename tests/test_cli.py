@@ -274,7 +274,8 @@ def test_analyze_prints_the_ranked_trials_the_failed_ones_and_the_pivot(capsys, 
     failed = lines[lines.index("failed trials:") + 1 :][:3]
     assert failed[1].split()[:6] == ["3", "32", "2", "16", "oom", "oom"]
     assert failed[2].split()[:5] == ["6", "32", "1", "32", "error"]
-    pivot = lines[lines.index("samples/s by micro_batch_size x num_devices:") + 1 :][:5]
+    pivot = lines[lines.index("samples/s by micro_batch_size x num_devices (a configuration's "
+                              "fastest measurement):") + 1 :][:5]  # fmt: skip
     assert pivot[0].split() == ["micro_batch_size", "num_devices", "1", "num_devices", "2"]
     assert pivot[3].split() == ["16", "oom"] and pivot[4].split() == ["32", "error"]
     assert lines[-1].startswith(f"plots: {path / 'plot-throughput.png'}, ")

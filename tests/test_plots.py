@@ -46,6 +46,22 @@ def test_throughput_has_a_line_per_device_count_and_marks_failures(tmp_path):
     assert list(lines["num_devices 2"].get_ydata()) == [590.0, 630.0]
 
 
+def test_the_star_is_the_runs_best_configuration_not_its_luckiest_trial(tmp_path):
+    # (2, 8) measured twice, 630 and 660: the star sits on its line (the median, 645),
+    # or at the model's estimate where the run ranked it, never at the luckier 660
+    rows = [*FINISHED_ROWS, trial_row(32, 2, 8, 660.0)]
+    fig = plots.throughput_figure(load_run(make_run(tmp_path, rows)), title="t")
+    assert legend_labels(fig)[-1] == "best: 645 samples/s"
+    ranking = [{"batch_size": 32, "num_devices": 2, "micro_batch_size": 8,
+                "estimated_samples_per_s": 641.0, "samples_per_s": 644.8, "measurements": 2}]
+    summary = {"status": "finished", "recommended": None, "ranking": ranking}
+    path = make_run(tmp_path, rows, name="ranked-20261128-130000", summary=summary)
+    fig = plots.throughput_figure(load_run(path), title="t")
+    star = next(x for x in fig.axes[0].get_lines() if x.get_label().startswith("best"))
+    assert star.get_label() == "best: 641 samples/s (estimated)"
+    assert list(star.get_xdata()) == [8] and list(star.get_ydata()) == [641.0]
+
+
 def test_memory_draws_the_budget_or_says_there_is_none(tmp_path):
     df = load_run(make_run(tmp_path, FINISHED_ROWS))
     fig = plots.memory_figure(df, device_memory_bytes=512 * 2**20, title="t")

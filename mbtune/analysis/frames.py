@@ -317,7 +317,10 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
     ok = table[table["rank"].notna()]
     if len(ok):
         view = _ranked_view(ok, info, apart)
-        sections.append((f"trials, best first by {info.objective}", view))
+        by = info.objective
+        if "estimated_samples_per_s" in view:
+            by = f"the run's ranking (estimated_samples_per_s), then {by}"
+        sections.append((f"trials, best first by {by}", view))
     spread = repeat_spread(trials)
     if len(spread):
         view = spread.drop(columns=[k for k in CONFIG_KEY if k not in (*SIZES, *apart)])
@@ -334,11 +337,13 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
             ", ".join(f"{name} {v}" for name, v in zip(names, c if apart else (c,), strict=True))
             for c in pivot.columns
         ]
-        several = " (best over batch sizes)" if trials["batch_size"].nunique() > 1 else ""
-        sections.append((f"samples/s by micro_batch_size x num_devices{several}",
+        several = ", the best over batch sizes" if trials["batch_size"].nunique() > 1 else ""
+        sections.append((f"samples/s by micro_batch_size x num_devices (a configuration's "
+                         f"fastest measurement{several})",
                          pivot.reset_index()))  # fmt: skip
     floats = {
-        "samples_per_s": ",.1f", "samples_per_s_per_device": ",.1f", "step_time_ms_median": ".2f",
+        "samples_per_s": ",.1f", "samples_per_s_per_device": ",.1f",
+        "estimated_samples_per_s": ",.1f", "step_time_ms_median": ".2f",
         "step_time_ms_iqr": ".2f", "compile_s": ".1f", "peak_memory_mib": ",.0f",
         "samples_per_s_median": ",.1f", "samples_per_s_min": ",.1f", "samples_per_s_max": ",.1f",
         "spread": ".1%",
@@ -354,6 +359,8 @@ def _ranked_view(ok: pd.DataFrame, info: RunInfo, apart: list[str]) -> pd.DataFr
     """The columns of the ranked table a person reads; optional ones only where measured,
     the other dimensions only where the run varied them (``apart``)."""
     view = ok[["rank", "trial", *SIZES, *apart, "grad_accum_steps", "samples_per_s"]].copy()
+    if "estimated_samples_per_s" in ok and ok["estimated_samples_per_s"].notna().any():
+        view["estimated_samples_per_s"] = ok["estimated_samples_per_s"]  # what ranks them
     if ok["repeat"].gt(0).any():
         view.insert(2, "repeat", ok["repeat"])
     if info.objective == "samples_per_s_per_device":

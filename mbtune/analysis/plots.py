@@ -86,7 +86,9 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     """samples/s against micro-batch size, one line per num_devices (and setting of each
     other dimension the run varied) through each configuration's median; where a
     configuration was measured more than once, a bar from its lowest to its highest
-    measurement; the failed trials marked on the axis, and the best trial starred."""
+    measurement; the failed trials marked on the axis, and the best configuration (the
+    run's ranking) starred at the model's estimate of it, or at its line where the run
+    has none."""
     fig, ax = _figure()
     cells = best_per_config(trials)
     lines = _line_columns(trials)
@@ -103,10 +105,14 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     ok = ranked_ok(trials)
     if len(ok):
         best = ok.iloc[0]
+        estimate = best.get("estimated_samples_per_s")
+        key = ok[list(CONFIG_KEY)].astype(str).agg("|".join, axis=1)  # NaN equal to NaN
+        same = ok[key == key.iloc[0]]
+        value = same["samples_per_s"].median() if pd.isna(estimate) else estimate
         ax.plot(
-            [best["micro_batch_size"]], [best["samples_per_s"]], "*", color="gold",
-            markersize=16, markeredgecolor="black", zorder=5,
-            label=f"best: {best['samples_per_s']:,.0f} samples/s",
+            [best["micro_batch_size"]], [value], "*", color="gold", markersize=16,
+            markeredgecolor="black", zorder=5,
+            label=f"best: {value:,.0f} samples/s" + ("" if pd.isna(estimate) else " (estimated)"),
         )  # fmt: skip
     return _finish(fig, ax, trials, ylabel="samples/s (global)",
                    title=f"{title}: throughput by micro-batch size")  # fmt: skip

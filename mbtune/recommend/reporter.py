@@ -8,9 +8,11 @@ returns and appends its record to ``recommendations.jsonl``; at the end
     mbtune 19:41:11  recommended micro_batch_size: 4 (num_devices: 2, batch_size: 64),
     estimated performance: 1.23x base, confidence score: 90 (out of 100)
 
-Base is the objective of the run's first recommendation (as Cerebras does), which the
-stream says in a line under it (not the user's own configuration, which the summary
-compares with); the estimate is the recommended configuration's objective over base.
+Base is the run's first recommendation (as Cerebras does), which the stream says in a
+line under it (not the user's own configuration, which the summary compares with); the
+estimated performance is the model's estimate of the recommended configuration's objective
+over its estimate of base's, both as of now: the estimates the recommendation and the
+table of the best rank by (:func:`_estimated`).
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ class Reporter:
         a = self.assess(records)
         if a.recommended is None or a.value is None:
             return None
-        base = _base(history) or a.value
+        value = _estimated(a, a.recommended, a.value)
+        base = _base(history, a) or value
         pooled = per_config(records)
         best, user = pooled[a.recommended].record, self.user_config
         rec = StreamRecommendation(
@@ -137,7 +140,7 @@ class Reporter:
             config=a.recommended,
             objective=a.value,
             samples_per_s=_float(best.samples_per_s),
-            estimated_performance=round(a.value / base, 2),
+            estimated_performance=round(value / base, 2),
             confidence=a.confidence,
             precision=best.precision,
             mfu=_float(best.mfu),
@@ -157,7 +160,7 @@ class Reporter:
     ) -> dict[str, Any]:
         """The end of the run: recommendation, speed-ups, top five, batch size, break-even."""
         a = self.assess(records)
-        base = _base(history)
+        base = _base(history, a)
         out: dict[str, Any] = {"status": status, "trials": len(records), "recommended": None}
         pooled = per_config(records)
         ok = in_order(pooled, a)
@@ -166,9 +169,13 @@ class Reporter:
         if a.recommended is None:
             return out
         best = pooled[a.recommended]
-        value = a.value  # every look pooled, as the stream's recommendation has it
+        value = _estimated(a, a.recommended, a.value)  # as the stream's recommendation has it
         user = pooled.get(self.user_config.canonical()) if self.user_config else None
-        user_value = _float(user.record.objective) if user else None
+        user_value = (
+            _estimated(a, user.record.config.canonical(), _float(user.record.objective))
+            if user
+            else None
+        )
         out.update(
             recommended=_brief(best, a),
             confidence=a.confidence,
@@ -177,7 +184,7 @@ class Reporter:
             user_config=self.user_config.sizes() if self.user_config else None,
             speedup_over_user=round(value / user_value, 3) if user_value else None,
             recommended_batch_size=self.recommended_batch_size(a.recommended),
-            compile_break_even=_break_even(best, ok[:5]),
+            compile_break_even=_break_even(best, ok[:5], a),
             drift={
                 "relative": round(a.drift, 4),
                 "repeats": a.drift_dof,
@@ -195,21 +202,34 @@ class Reporter:
         return below
 
 
-def _base(history: Sequence[Mapping[str, Any]]) -> float | None:
-    return float(history[0]["objective"]) if history else None
+def _base(history: Sequence[Mapping[str, Any]], a: Assessment) -> float | None:
+    """Base: the run's first recommendation (the stream's first record), as the model now
+    estimates it."""
+    if not history:
+        return None
+    first = history[0]
+    return _estimated(a, BatchConfig.from_mapping(first).canonical(), float(first["objective"]))
 
 
-def _break_even(best: Pooled, top: Sequence[Pooled]) -> list[dict[str, Any]]:
+def _estimated(a: Assessment, c: BatchConfig, measured: float | None) -> float | None:
+    """The model's estimate of ``c``'s objective, what the recommendation ranks by; its
+    ``measured`` objective (every look pooled) where the model has none, as for a
+    configuration that can no longer win."""
+    return a.estimate.get(c, measured)
+
+
+def _break_even(best: Pooled, top: Sequence[Pooled], a: Assessment) -> list[dict[str, Any]]:
     """For each top configuration that compiles faster than the recommendation: the
-    training steps after which the recommendation's higher throughput has paid back its
-    longer compile (None: it never does, as the other is not slower)."""
+    training steps after which the recommendation's higher throughput (as the model
+    estimates both, where it does) has paid back its longer compile (None: it never does,
+    as the other is not slower)."""
     out: list[dict[str, Any]] = []
-    compile_best, speed_best = _float(best.record.compile_s), _float(best.record.samples_per_s)
+    compile_best, speed_best = _float(best.record.compile_s), _speed(best, a)
     if compile_best is None or not speed_best:
         return out
     for other in top:
         r = other.record
-        compile_other, speed_other = _float(r.compile_s), _float(r.samples_per_s)
+        compile_other, speed_other = _float(r.compile_s), _speed(other, a)
         if other is best or compile_other is None or not speed_other:
             continue
         extra_s = compile_best - compile_other
@@ -268,6 +288,11 @@ def _estimated_samples_per_s(p: Pooled, a: Assessment | None) -> float | None:
     if estimate is None or not r.samples_per_s or not r.objective:
         return None
     return round(r.samples_per_s * estimate / r.objective, 3)
+
+
+def _speed(p: Pooled, a: Assessment) -> float | None:
+    """A configuration's samples/s as the model estimates it, or as measured (pooled)."""
+    return _estimated_samples_per_s(p, a) or _float(p.record.samples_per_s)
 
 
 def _brief(p: Pooled, a: Assessment | None = None) -> dict[str, Any]:
