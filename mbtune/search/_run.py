@@ -332,8 +332,9 @@ def predict_out_of_memory(
         usable = found.budget * (1 - tr.headroom(found.budget)) / 2**20
         say(
             f"mbtune: {len(records)} of {len(points)} configurations predicted over "
-            f"{usable:,.0f} MiB per device ({found.predictions} predicted in "
-            f"{found.seconds:.0f} s): recorded as oom without a trial"
+            f"{usable:,.0f} MiB per device (trial.device_memory less trial.memory_headroom; "
+            f"{found.predictions} of them predicted in {found.seconds:.0f} s, the rest "
+            "bounded by those): recorded as oom without a trial"
         )
     return records
 
