@@ -764,6 +764,10 @@ def test_without_a_micro_batch_size_a_pipeline_trial_runs_the_largest_its_schedu
           "micro-batches"]),
         # a range of micro-batch sizes bounds what the mode picks: not each value named
         ({"batch_size": 32}, {"micro_batch_size": {"min": 1, "max": 64}}, []),
+        # ... but an explicit micro-batch size leaves it unused as a whole
+        ({"batch_size": 32, "micro_batch_size": 8}, {"micro_batch_size": {"min": 1, "max": 32}},
+         ["micro_batch_size 1..32: train_input.micro_batch_size 8 is explicit: the space "
+          "cannot vary it"]),
     ],
 )  # fmt: skip
 def test_a_value_of_the_space_that_leaves_nothing_is_named_with_why(train_input, space, lines):

@@ -19,7 +19,7 @@ from typing import Any
 from mbtune import lattice
 from mbtune.config.rules import ConfigError, check_fields
 from mbtune.config.schema import ModelConfig, PlanConfig, RayConfig
-from mbtune.config.search import IntRange, SearchConfig, SpaceConfig
+from mbtune.config.search import DEFAULT_SPACE, IntRange, SearchConfig, SpaceConfig
 from mbtune.config.train_input import TrainInput, lattice_rule, unused_values
 from mbtune.config.trial import TrialConfig, unsharded_rule
 from mbtune.lattice import (
@@ -260,6 +260,11 @@ class Experiment:
             num_devices=ns,
             micro_batch_sizes=(
                 s.micro_batch_size if isinstance(s.micro_batch_size, tuple) else None
+            ),
+            micro_batch_range=(  # one the user wrote: the default space's bounds the modes
+                (s.micro_batch_size.min, s.micro_batch_size.max)
+                if isinstance(s.micro_batch_size, IntRange) and s.source != DEFAULT_SPACE.source
+                else None
             ),
         )
 

@@ -304,6 +304,7 @@ def unused_values(
     batch: int | tuple[int, int],
     num_devices: Sequence[int] | None,
     micro_batch_sizes: Sequence[int] | None,
+    micro_batch_range: tuple[int, int] | None = None,
 ) -> list[str]:
     """Each value a searched dimension lists that leaves no valid configuration (none of
     ``configs``, the space's, has it) and why, one line per reason: 'num_devices 3:
@@ -311,9 +312,10 @@ def unused_values(
     32: 1, 2, 4, 8, 16, 32'. ``batch``: the space's one batch size, or its (min, max)
     range; ``num_devices``: the device counts it lists (None: train_input's alone);
     ``micro_batch_sizes``: the sizes it lists by name (None: none, or a range, which bounds
-    the sizes the mode chooses rather than naming each). A batch_size is never one: the
-    space holds one (the space is empty without it) or a range that B = n x m x g picks
-    from; nor a setting of a step: every combination runs every size."""
+    the sizes the mode chooses rather than naming each; ``micro_batch_range``: such a
+    range, which an explicit micro_batch_size leaves unused as a whole). A batch_size is
+    never one: the space holds one (the space is empty without it) or a range that B =
+    n x m x g picks from; nor a setting of a step: every combination runs every size."""
     present = {(c.num_devices, c.micro_batch_size) for c in configs}
     lines = []
     for i, (key, listed, reason) in enumerate((
@@ -326,7 +328,14 @@ def unused_values(
         for why, values in groups.items():
             them = f"{values[0]} devices" if len(values) == 1 else "any of them"
             lines.append(f"{key} {_values_text(values)}: {why.replace('{them}', them)}")
+    if isinstance(t.micro_batch_size, int) and micro_batch_range is not None:
+        lo, hi = micro_batch_range
+        lines.append(f"micro_batch_size {lo}..{hi}: {_explicit(t.micro_batch_size)}")
     return lines
+
+
+def _explicit(mode: int) -> str:
+    return f"train_input.micro_batch_size {mode} is explicit: the space cannot vary it"
 
 
 def _device_reason(t: TrainInput, batch: int | tuple[int, int]) -> Callable[[int], str]:
@@ -363,9 +372,7 @@ def _micro_reason(
     """Why a micro-batch size the space names leaves no configuration of it."""
     mode = t.micro_batch_size
     if isinstance(mode, int):
-        return lambda m: (
-            f"train_input.micro_batch_size {mode} is explicit: the space cannot vary it"
-        )
+        return lambda m: _explicit(mode)
     if isinstance(batch, tuple):
         return lambda m: _range_reason(batch, mode)
     b = batch

@@ -139,8 +139,8 @@ def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
         ("mode", mode + yours),
         (
             "space",
-            f"{len(configs)} configurations ({distinct} distinct measurements) from "
-            f"'{s.space.source}'",
+            f"{plural(len(configs), 'configuration')} "
+            f"({plural(distinct, 'distinct measurement')}) from '{s.space.source}'",
         ),
         *(("not searched", line) for line in exp.unused_values(configs)),
         (
