@@ -195,7 +195,7 @@ def _hf_sizes(model_type: str, cuda: bool) -> list[str]:
         if cuda:
             lines.append(_line(f"  {own}: {default}", f"{model_type}'s default"))
         else:
-            shown = f"{default}" if default is not None else "computed"
+            shown = f"{default}" if default is not None else "from its other sizes"
             lines.append(_line(f"  {own}: {small}", f"small, for a CPU; {model_type}'s: {shown}"))
     return lines
 
