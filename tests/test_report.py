@@ -149,6 +149,15 @@ def test_the_summary_of_a_search():
         "     2            2          32                16                  false      every"
         "           1       600.0           -        1.0",
     ]
+    # a compile time that was a load from torch's compile cache is marked, and said so
+    loaded = {**other, "compile_s": 0.6, "compile_from_cache": True}
+    table = report.summary_lines(rows, {**summary, "top": [best, loaded]}, Path("runs/x"))[-2:]
+    assert table == [
+        "     2            2          32                16           1       600.0           -"
+        "       0.6*",
+        "  * every graph loaded from torch's compile cache (a shape an earlier trial or run "
+        "compiled): a load, not a compile",
+    ]
     # a compile difference that would print as 0.0 s is left out; one step is one step
     summary["compile_break_even"] = [
         {"against": other, "extra_compile_s": 0.04, "break_even_steps": 2},

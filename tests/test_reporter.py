@@ -155,6 +155,20 @@ def test_a_configuration_measured_again_keeps_the_compile_time_of_its_first_look
     assert even["against"]["micro_batch_size"] == 8 and even["extra_compile_s"] == 10.0
 
 
+def test_a_compile_time_that_was_a_cache_load_is_no_compile_to_weigh():
+    # (1, 8) loaded every graph (2, 8) compiled (the same micro-batch shape): its 0.6 s
+    # makes no break-even against (2, 8)'s 20 s; (1, 32) compiled its own
+    rows = [row(2, 8, 500.0, compile_s=20.0), row(1, 8, 400.0, compile_s=0.6,
+            compile_from_cache=True), row(1, 32, 200.0, compile_s=5.0)]  # fmt: skip
+    s = Reporter(POINTS).summary(rows, "finished")
+    assert [b["against"]["micro_batch_size"] for b in s["compile_break_even"]] == [32]
+    top = [(t["num_devices"], t["micro_batch_size"], t["compile_from_cache"]) for t in s["top"]]
+    assert top == [(2, 8, False), (1, 8, True), (1, 32, False)]
+    # a configuration with a look that compiled keeps that look's time
+    again = Reporter(POINTS).summary([*rows, row(1, 8, 400.0, compile_s=9.0)], "finished")
+    assert again["top"][1]["compile_s"] == 9.0 and not again["top"][1]["compile_from_cache"]
+
+
 def test_the_recommended_batch_size_is_the_valid_one_nearest_the_users():
     r = Reporter(POINTS, user_batch_size=100)
     assert r.recommended_batch_size(BatchConfig(32, 2, 8)) == 96  # 96 and 112 around 100

@@ -269,12 +269,25 @@ def test_batch_mixing_models_are_measured_at_the_full_per_device_batch():
 
 
 @pytest.mark.slow
-def test_compiled_trial_reports_compile_time_apart():
-    r = run_trial(experiment(trial={"compile": True}), BatchConfig(8, 1, 4))
+def test_compiled_trial_reports_compile_time_apart_and_a_load_from_the_cache(
+    tmp_path, monkeypatch
+):
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold on-disk cache
+    torch._dynamo.reset()
+    exp = experiment(trial={"compile": True})
+    r = run_trial(exp, BatchConfig(8, 1, 4))
     assert r.status == "ok", r.reason
     assert r.compile_s > 0
     assert r.compile_s * 1e3 > max(r.step_times_ms)  # compile time is not in the steps
-    assert r.compile_fallback is None
+    assert r.compile_fallback is None and r.compile_from_cache is False
+    # the same shapes again in a fresh compiler: inductor loads its graphs from the cache
+    torch._dynamo.reset()
+    again = run_trial(exp, BatchConfig(8, 2, 4))  # another configuration, one shape
+    torch._dynamo.reset()
+    assert again.status == "ok" and again.compile_from_cache is True
+    assert again.compile_s < r.compile_s
 
 
 @pytest.mark.slow

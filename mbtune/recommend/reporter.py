@@ -222,15 +222,16 @@ def _break_even(best: Pooled, top: Sequence[Pooled], a: Assessment) -> list[dict
     """For each top configuration that compiles faster than the recommendation: the
     training steps after which the recommendation's higher throughput (as the model
     estimates both, where it does) has paid back its longer compile (None: it never does,
-    as the other is not slower)."""
+    as the other is not slower). Compile times that were loads from torch's compile cache
+    are no compile to weigh: such a configuration is left out."""
     out: list[dict[str, Any]] = []
     compile_best, speed_best = _float(best.record.compile_s), _speed(best, a)
-    if compile_best is None or not speed_best:
+    if compile_best is None or not speed_best or best.record.compile_from_cache:
         return out
     for other in top:
         r = other.record
         compile_other, speed_other = _float(r.compile_s), _speed(other, a)
-        if other is best or compile_other is None or not speed_other:
+        if other is best or compile_other is None or not speed_other or r.compile_from_cache:
             continue
         extra_s = compile_best - compile_other
         if extra_s <= 0:
@@ -304,6 +305,7 @@ def _brief(p: Pooled, a: Assessment | None = None) -> dict[str, Any]:
         "estimated_samples_per_s": _estimated_samples_per_s(p, a),
         "objective": _float(r.objective),
         "compile_s": _float(r.compile_s),
+        "compile_from_cache": bool(r.compile_from_cache),
         "mfu": _float(r.mfu),
         "peak_memory_bytes": int(r.peak_memory_bytes) if r.peak_memory_bytes is not None else None,
         "precision": r.precision,
@@ -323,9 +325,10 @@ class Pooled:
 
     record: TrialRecord
     """The last one's record, its throughput (samples/s, objective, TFLOP/s, MFU) the
-    geometric mean over all of them and its compile time the longest: a second look loads
-    the graphs the first compiled from torch's on-disk cache, so its compile time is the
-    cache's, not the configuration's."""
+    geometric mean over all of them and its compile time the longest of those that
+    compiled: a look that loaded every graph from torch's on-disk cache (a second look, or
+    a shape another configuration compiled) took the cache's time, not the
+    configuration's, and counts only where no look compiled (``compile_from_cache``)."""
     measurements: int
     """How many ok trials measured it."""
 
@@ -347,8 +350,10 @@ def per_config(records: Sequence[TrialRecord]) -> dict[BatchConfig, Pooled]:
             values = [v for v in (getattr(r, key) for r in group) if v]
             if values:
                 means[key] = statistics.geometric_mean(values)
-        compiles = [r.compile_s for r in group if r.compile_s is not None]
-        compile_s = max(compiles) if compiles else None
-        out[config] = Pooled(dataclasses.replace(group[-1], **means, compile_s=compile_s),
-                             len(group))  # fmt: skip
+        looks = [r for r in group if r.compile_s is not None]
+        compiled = [r for r in looks if not r.compile_from_cache] or looks
+        if compiled:
+            means["compile_s"] = max(r.compile_s for r in compiled)  # type: ignore[type-var]
+            means["compile_from_cache"] = all(r.compile_from_cache for r in compiled)
+        out[config] = Pooled(dataclasses.replace(group[-1], **means), len(group))
     return out

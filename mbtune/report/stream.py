@@ -100,6 +100,9 @@ def summary_lines(
               if b["extra_compile_s"] >= 0.05]  # fmt: skip
     lines.append("best configurations:")
     lines += _top_table(summary["top"])
+    if any(r.get("compile_from_cache") for r in summary["top"]):
+        lines.append(f"  {CACHED_MARK} every graph loaded from torch's compile cache (a shape an "
+                     "earlier trial or run compiled): a load, not a compile")  # fmt: skip
     return lines
 
 
@@ -136,6 +139,10 @@ def _break_even_line(b: Mapping[str, Any]) -> str:
     )
 
 
+CACHED_MARK = "*"
+"""Beside a compile time that was a load from torch's compile cache."""
+
+
 def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     """The best configurations, ranked as the recommendation ranks them: by the search
     model's estimate (``estimated``), which pools every look and what the neighbours say,
@@ -151,6 +158,7 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     ]  # fmt: skip
     for i, (r, c) in enumerate(zip(top, configs, strict=True), start=1):
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
+        compile_s += CACHED_MARK if r.get("compile_from_cache") else ""
         estimate = r.get("estimated_samples_per_s")
         estimated = f"{estimate:,.1f}" if estimate is not None else "-"
         t, p, schedule = c.layout

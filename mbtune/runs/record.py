@@ -164,6 +164,11 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("compile_s", "float", "s", "torch.compile time (never counted in the throughput)"),
     Column(
+        "compile_from_cache", "bool", "",
+        "every graph came from torch's on-disk compile cache (a shape an earlier trial or run "
+        "compiled): `compile_s` is the cache's load, not a compile",
+    ),
+    Column(
         "compile_fallback", "text", "",
         "why torch.compile fell back to running the model eagerly, if it did",
     ),
@@ -286,6 +291,7 @@ class TrialRecord:
     comm_time_ms: float | None = None
     bubble_time_ms: float | None = None
     compile_s: float | None = None
+    compile_from_cache: bool | None = None
     compile_fallback: str | None = None
     flops_per_sample: float | None = None
     tflops_per_s: float | None = None

@@ -1,7 +1,8 @@
 """``torch.compile`` as a trial uses it (``trial.compile``, ``trial.compile_mode``,
 ``trial.dynamic``): the model compiled, the batch dimension of its micro-batches marked
-dynamic, and a watch for torch's silent fallback to eager at a recompile limit, which the
-trial reports (``compile_fallback``).
+dynamic, and a watch of the compiles, which the trial reports: torch's silent fallback to
+eager at a recompile limit (``compile_fallback``), and whether every graph came from
+torch's on-disk compile cache (``compile_from_cache``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any
 from mbtune.models.batch import batch_tensors
 
 __all__ = [
-    "FallbackWatch",
+    "CompileWatch",
     "compile_model",
-    "fallback_watch",
+    "compile_watch",
     "mark_batch_dynamic",
     "warm_compiler",
 ]
@@ -55,12 +56,37 @@ def mark_batch_dynamic(batches: list[Any]) -> None:
             torch._dynamo.mark_dynamic(t, 0)
 
 
-class FallbackWatch(logging.Handler):
-    """Catches torch._dynamo's warning that it hit the recompile limit and ran eager."""
+_CACHE_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+"""Inductor's counters (torch._dynamo.utils.counters["inductor"]) of its on-disk graph
+cache: a graph loaded, compiled and written, or compiled without it."""
+
+
+class CompileWatch(logging.Handler):
+    """What the compiles did while it watched: torch._dynamo's warning that it hit the
+    recompile limit and ran eager (``reason``), and inductor's graph cache (``from_cache``:
+    every graph loaded from torch's on-disk cache, none compiled, where the trial's compile
+    time is the cache's load, not the configuration's compile: a shape an earlier trial of
+    the same run compiled, or a run before it)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.reason: str | None = None
+        self.from_cache = False
+        self._cache: dict[str, int] = {}
+
+    def _counts(self) -> dict[str, int]:
+        import sys
+
+        utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
+        counters = utils.counters["inductor"] if utils is not None else {}
+        return {k: counters.get(k, 0) for k in _CACHE_COUNTERS}
+
+    def start(self) -> None:
+        self._cache = self._counts()
+
+    def stop(self) -> None:
+        hit, miss, bypass = (n - self._cache[k] for k, n in self._counts().items())
+        self.from_cache = hit > 0 and miss == 0 and bypass == 0
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -74,11 +100,13 @@ class FallbackWatch(logging.Handler):
 
 
 @contextlib.contextmanager
-def fallback_watch() -> Iterator[FallbackWatch]:
-    watch = FallbackWatch()
+def compile_watch() -> Iterator[CompileWatch]:
+    watch = CompileWatch()
     logger = logging.getLogger("torch._dynamo")
     logger.addHandler(watch)
+    watch.start()
     try:
         yield watch
     finally:
+        watch.stop()
         logger.removeHandler(watch)

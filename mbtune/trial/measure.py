@@ -43,7 +43,7 @@ from mbtune.models.shape import model_shape
 from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import Collectives
-from mbtune.trial.compiling import compile_model, fallback_watch, mark_batch_dynamic
+from mbtune.trial.compiling import compile_model, compile_watch, mark_batch_dynamic
 from mbtune.trial.flops import count_flops_per_sample, device_peak
 from mbtune.trial.memory import Verdict
 from mbtune.trial.precision import for_device
@@ -122,6 +122,9 @@ class Measurement:
     tokens_per_sample: int | None = None
     compile_fallback: str | None = None
     """Why compilation silently fell back to eager (recompile limit), if it did."""
+    compile_from_cache: bool = False
+    """Every graph this process compiled came from torch's on-disk compile cache
+    (mbtune.trial.compiling.CompileWatch): ``first_s`` loaded them, not compiled them."""
     loss: float | None = None
     """The mean loss of the last timed step (before its optimizer step): over the global
     batch with ddp (all-reduced over the ranks), over the one device's samples otherwise;
@@ -186,6 +189,7 @@ class _TimedSteps:
     grad_bytes: int = 0
     flops_per_sample: float | None = None
     compile_fallback: str | None = None
+    compile_from_cache: bool = False
     loss: float | None = None
     """The last timed step's mean loss, where finite (over every rank's samples)."""
 
@@ -332,7 +336,7 @@ def _timed_steps(
     def over() -> str | None:
         return memory.over_budget(tr, budget, memory.peak_memory(torch, device))
 
-    with fallback_watch() as fallback:
+    with compile_watch() as watch:
         # 2. the first step, local: it compiles every micro-batch shape of this split and
         # allocates every buffer (the optimizer's state too); agreed on
         phase("compiling" if tr.compile else "first step", 0, 0)
@@ -409,7 +413,8 @@ def _timed_steps(
         alloc_retries=retries,
         grad_bytes=grad_bytes,
         flops_per_sample=flops_per_sample,
-        compile_fallback=fallback.reason,
+        compile_fallback=watch.reason,
+        compile_from_cache=watch.from_cache,
         loss=loss if loss is not None and math.isfinite(loss) else None,
     )
 

@@ -40,7 +40,7 @@ from mbtune.models.batch import split_batch
 from mbtune.progress import PhaseHook
 from mbtune.trial import memory
 from mbtune.trial.collectives import ProcessGroup
-from mbtune.trial.compiling import fallback_watch
+from mbtune.trial.compiling import compile_watch
 from mbtune.trial.flops import count_flops_per_sample, device_peak
 from mbtune.trial.measure import (
     Measurement,
@@ -148,6 +148,8 @@ class TimedSteps:
     """The median forward-only pass over the same micro-batches (``trial.eval``)."""
     compile_fallback: str | None = None
     """Why torch.compile fell back to eager on this process (recompile limit), if it did."""
+    compile_from_cache: bool = False
+    """Every graph this process compiled came from torch's on-disk compile cache."""
 
     def measured(self, started: Measurement, **figures: Any) -> Measurement:
         status, reason = self.verdict or ("ok", None)
@@ -155,7 +157,7 @@ class TimedSteps:
         return dataclasses.replace(
             started, status=status, reason=reason, first_s=self.first_s, step_s=self.step_s,
             compute_s=self.step_s, peak_memory_bytes=self.peak, eval_s=self.eval_s,
-            compile_fallback=self.compile_fallback,
+            compile_fallback=self.compile_fallback, compile_from_cache=self.compile_from_cache,
             loss=loss if loss is not None and math.isfinite(loss) else None, **figures,
         )  # fmt: skip
 
@@ -172,12 +174,13 @@ def timed_steps(
     torch.compile's fall back to eager. ``run``: one step's forward and backward passes."""
     import torch
 
-    with fallback_watch() as fallback:
+    with compile_watch() as watch:
         timed = _timed_steps(tr, device, run, optimizer, precision, agree, phase)
         if tr.eval and forward_only is not None and timed.verdict is None:
             eval_s = eval_time(forward_only, device_timer(torch, device))
             timed = dataclasses.replace(timed, eval_s=eval_s)
-    return dataclasses.replace(timed, compile_fallback=fallback.reason)
+    return dataclasses.replace(timed, compile_fallback=watch.reason,
+                               compile_from_cache=watch.from_cache)  # fmt: skip
 
 
 def _timed_steps(

@@ -108,6 +108,9 @@ class TrialResult:
     """Compile time: first steps minus their share of steady-state time; None: not compiled."""
     compile_fallback: str | None = None
     """Why compilation silently fell back to eager (recompile limit), if it did."""
+    compile_from_cache: bool = False
+    """``compile_s`` loaded every graph from torch's on-disk compile cache (a shape an
+    earlier trial compiled): it is the cache's time, not the configuration's compile."""
     flops_per_sample: float | None = None
     """Model FLOPs of one sample's step (mbtune.trial.flops: 3 x the counted forward pass)."""
     tflops_per_s: float | None = None
@@ -305,6 +308,7 @@ def result_of(exp: Experiment, measured: Measurement) -> TrialResult:
         bubble_time_ms=compute * bubble_share * 1e3 if compute is not None else 0.0,
         compile_s=max(0.0, measured.first_s - compute) if compiled else None,
         compile_fallback=measured.compile_fallback,
+        compile_from_cache=compiled and measured.compile_from_cache,
         eval_samples_per_s=config.batch_size / measured.eval_s if measured.eval_s else None,
     )
 
