@@ -436,7 +436,9 @@ def plan_lines(plan: Plan) -> list[str]:
     lines = [
         f"plan: {plan.amount} on {', '.join(map(str, p.num_devices))} devices, from "
         f"{plan.trials} measured trials at {counts} devices "
-        f"({plan.grad_bytes / 1e6:,.1f} MB of gradients a step); 90% intervals",
+        f"({plan.grad_bytes / 1e6:,.1f} MB of gradients a step); 90% intervals; sure: the % "
+        f"of the model's draws in which the row is within {TOLERANCE:.0%} of its count's "
+        "fastest",
         f"  {plan.link_basis}",
         f"  {'devices':>7}  " + f"{'t x p':>22}  " * split + f"{'batch':>6}  {'micro':>5}  "
         f"{'ckpt':>4}  {'sure':>4}  {'samples/s':>28}  {'hours':>26}  {'device-hours':>30}  "
