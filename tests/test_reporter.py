@@ -133,6 +133,8 @@ def test_the_summary_compares_with_base_and_the_users_configuration():
     assert s["status"] == "finished" and s["trials"] == 3
     assert s["recommended"]["num_devices"] == 2 and s["recommended"]["micro_batch_size"] == 8
     assert s["speedup_over_base"] == 1.25 and s["speedup_over_user"] == 2.5
+    # a first record that names no configuration: base is its objective
+    assert reporter.summary(rows, "finished", [{"objective": 250.0}])["speedup_over_base"] == 2.0
     top = [(t["num_devices"], t["micro_batch_size"]) for t in s["top"]]
     assert top == [(2, 8), (1, 8), (1, 32)]
     # valid batch sizes for n = 2, m = 8 are multiples of 16: 32 and 48 around the user's 40

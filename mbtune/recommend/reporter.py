@@ -208,7 +208,11 @@ def _base(history: Sequence[Mapping[str, Any]], a: Assessment) -> float | None:
     if not history:
         return None
     first = history[0]
-    return _estimated(a, BatchConfig.from_mapping(first).canonical(), float(first["objective"]))
+    try:
+        config = BatchConfig.from_mapping(first).canonical()
+    except (KeyError, TypeError, ValueError, lattice.LatticeError):  # a record without sizes
+        return float(first["objective"])
+    return _estimated(a, config, float(first["objective"]))
 
 
 def _estimated(a: Assessment, c: BatchConfig, measured: float | None) -> float | None:
