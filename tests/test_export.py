@@ -1042,9 +1042,15 @@ def test_a_framework_without_a_pipeline_says_so_and_names_what_would(framework):
     assert READ_BACK[framework](export.text, 2) == {"batch_size": 64, "micro_batch_size": 4}
     assert (
         f"pipeline_parallel 2 (interleaved_1f1b): {framework} trains no pipeline; exported the 2 "
-        "replicas' batches without the pipeline's split, which was not measured as such; the "
-        "megatron, nemo or torchtitan export splits it as measured"
+        "replicas' batches without the pipeline's split (2 devices instead of 4), which was not "
+        "measured as such; the megatron, nemo or torchtitan export splits it as measured"
     ) in export.notes
+    # and it launches what it exports: the replicas, not the stages it dropped
+    launch = [n for n in export.notes if "launch on " in n]
+    assert launch and all("launch on 2 data-parallel devices" in n for n in launch)
+    one = export_config(framework, BatchConfig(32, 2, 4, pipeline_parallel=2))  # 1 replica
+    assert "exported the replica's batches without the pipeline's split (1 device instead of " \
+        "2)" in " ".join(one.notes)  # fmt: skip
 
 
 def test_deepspeed_pipeline_is_its_pipeline_module():

@@ -267,10 +267,12 @@ def layout_notes(framework: str, d: int, t: int, p: int, schedule: str, *, fsdp:
             "gradient_accumulation_steps micro-batches per step, and ZeRO at stage 1 at most"
         )
     elif p > 1:
+        replicas = "the replica's" if d == 1 else f"the {d} replicas'"
         notes.append(
             f"pipeline_parallel {p} ({schedule}): {framework} trains no pipeline; exported "
-            f"the {d} replicas' batches without the pipeline's split, which was not measured "
-            f"as such; the {_SPLITTERS} export splits it as measured"
+            f"{replicas} batches without the pipeline's split ({d * t} "
+            f"device{'s' * (d * t > 1)} instead of {d * t * p}), which was not measured as "
+            f"such; the {_SPLITTERS} export splits it as measured"
         )
     if t > 1 and framework == "hf":
         notes.append(
