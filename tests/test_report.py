@@ -108,6 +108,21 @@ def test_a_trial_line_says_a_record():
     assert report.trial_line(ok).endswith(": 1,234.5 samples/s, MFU 41%  ok")
 
 
+def test_the_table_of_the_best_keeps_its_columns_under_a_long_schedule():
+    row = {"micro_batch_size": 4, "num_devices": 4, "batch_size": 32, "grad_accum_steps": 2,
+           "samples_per_s": 150.0, "compile_s": None, "estimated_samples_per_s": 149.0}
+    top = [{**row, "pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"},
+           {**row, "tensor_parallel": 2}]  # fmt: skip
+    summary = {"recommended": top[0], "speedup_over_base": 1.0, "speedup_over_user": None,
+               "confidence": 90, "recommended_batch_size": 32, "top": top,
+               "compile_break_even": []}  # fmt: skip
+    sizes = {"batch_size": 32, "num_devices": 4, "micro_batch_size": 4}
+    lines = report.summary_lines([TrialRecord(trial=1, status="ok", **sizes)], summary, Path("r"))
+    table = lines[lines.index("best configurations:") + 1 :]
+    assert len({len(line) for line in table}) == 1  # every row as wide as the header
+    assert table[1].split()[2:4] == ["1x2", "interleaved_1f1b"] and table[2].split()[2] == "2x1"
+
+
 def test_the_summary_of_a_search():
     best = {"micro_batch_size": 8, "num_devices": 2, "batch_size": 32, "grad_accum_steps": 2,
             "samples_per_s": 672.7, "compile_s": 3.0, "mfu": None, "precision": None,

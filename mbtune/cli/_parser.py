@@ -235,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _size_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, metavar="B", help="global batch size")
-    parser.add_argument("--num-devices", type=int, metavar="N", help="data-parallel devices")
+    parser.add_argument(
+        "--num-devices", type=int, metavar="N",
+        help="every device: replicas x tensor_parallel x pipeline_parallel",
+    )  # fmt: skip
     parser.add_argument(
         "--micro-batch-size", type=int, metavar="M", help="micro-batch size (default: P)"
     )

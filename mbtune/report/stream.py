@@ -149,23 +149,24 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     beside the measured samples/s (every look's geometric mean)."""
     configs = [BatchConfig.from_mapping(r) for r in top]
     split = any(c.layout[:2] != (1, 1) for c in configs)  # then a column: t x p (schedule)
+    layouts = [f"{t}x{p}" + f" {schedule}" * (p > 1) for t, p, schedule in
+               (c.layout for c in configs)]  # fmt: skip
+    wide = max([len("t x p"), *map(len, layouts)])
     shown = shown_columns(configs, SETTINGS)  # and the settings of a step off their default
     lines = [
-        f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>14}  " * split
+        f"  {'rank':>4}  {'num_devices':>11}  " + f"{'t x p':>{wide}}  " * split
         + f"{'batch_size':>10}  {'micro_batch_size':>16}  "
         + "".join(f"{label}  " for label, _ in shown)
         + f"{'grad_accum':>10}  {'samples/s':>10}  {'estimated':>10}  {'compile_s':>9}"
     ]  # fmt: skip
-    for i, (r, c) in enumerate(zip(top, configs, strict=True), start=1):
+    for i, (r, tp) in enumerate(zip(top, layouts, strict=True), start=1):
         compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         compile_s += CACHED_MARK if r.get("compile_from_cache") else ""
         estimate = r.get("estimated_samples_per_s")
         estimated = f"{estimate:,.1f}" if estimate is not None else "-"
-        t, p, schedule = c.layout
-        tp = f"{t}x{p}" + f" {schedule}" * (p > 1)
         lines.append(
             f"  {i:>4}  {r['num_devices']:>11}  "
-            + f"{tp:>14}  " * split
+            + f"{tp:>{wide}}  " * split
             + f"{r['batch_size']:>10}  "
             f"{r['micro_batch_size']:>16}  "
             + "".join(f"{words[i - 1]}  " for _, words in shown)

@@ -294,13 +294,13 @@ def _share_line(share: RankShare, c: BatchConfig) -> str:
     """What the busiest rank of a split model holds, in words."""
     held = " and ".join(str(s) for s in share.stages)
     schedule = f" ({c.pipeline_schedule})" if c.pipeline_parallel > 1 else ""
-    chunk = "micro-batch" if len(share.stages) == 1 else "stage's micro-batch"
+    each = ", each through one of its stages" * (len(share.stages) > 1)
     shard = f", its tensor-parallel shard of 1/{c.tensor_parallel}" * (c.tensor_parallel > 1)
     return (
         f"pipeline rank {share.pipeline_rank}: stage{'s' * (len(share.stages) > 1)} {held} "
         f"of {share.num_stages}{shard}; "
         f"activations of up to "
-        f"{share.in_flight} {chunk}{'es' * (share.in_flight > 1)} in flight{schedule}"
+        f"{share.in_flight} micro-batch{'es' * (share.in_flight > 1)} in flight{each}{schedule}"
     )
 
 
