@@ -167,6 +167,15 @@ def test_a_layout_the_model_cannot_take_exits_2_naming_the_field(capsys, sets, l
     assert code == 2 and out == "" and err == f"mbtune: error: {line}\n"
 
 
+def test_a_space_whose_every_layout_fails_blames_the_layouts_alone(capsys):
+    # micro_batch_size 1, 2, 4 divide the per-device batch: no clause may say otherwise
+    code, _, err = run(capsys, "validate", QUICKSTART, "--set", "search.space.num_devices=[4]",
+                       "--set", "search.space.tensor_parallel=[3]")  # fmt: skip
+    assert code == 2 and err.endswith(
+        "; tensor_parallel 3: tensor_parallel 3 does not divide the model's 4 attention heads\n"
+    )
+
+
 def test_set_overrides_work_on_every_command(capsys):
     code, out, _ = run(
         capsys, "space", QUICKSTART, "--format", "json",

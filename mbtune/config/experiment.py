@@ -233,6 +233,8 @@ class Experiment:
         caller has them."""
         t, s = self.train_input, self.search.space
         layouts, dropped = self.layouts()
+        if not layouts:  # no layout at all: that is why, whatever the sizes
+            return dropped
         dropped += [
             f"{key} {value}: {why}"
             for key, value, why in _unused_layout_values(s, layouts, self.configs()
