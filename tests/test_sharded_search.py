@@ -177,7 +177,12 @@ def test_a_predicted_record_reads_back_as_an_oom_of_no_trial():
 BAD = [
     ({"search": {"space": {"grad_sync": ["last", "sometimes"]}}},
      "search.space.grad_sync: expected last or every, or a list of them such as [last, every], "
-     "got ['last', 'sometimes']"),
+     "got ['last', 'sometimes']; 'sometimes' is not one of them"),
+    ({"search": {"space": {"pipeline_schedule": ["1f1b", "interleaved1f1b"]}}},
+     "search.space.pipeline_schedule: expected gpipe or 1f1b or interleaved_1f1b or zbv or "
+     "dualpipev, or a list of them such as [gpipe, 1f1b, interleaved_1f1b, zbv, dualpipev], "
+     "got ['1f1b', 'interleaved1f1b']; 'interleaved1f1b' is not one of them (did you mean "
+     "'interleaved_1f1b'?)"),
     ({"trial": {"sharding": "fsdp", "parallel": "ddp", "grad_sync": "sometimes"}},
      "trial.grad_sync: 'sometimes' is not one of: last, every"),
     ({"search": {"space": {"reshard_after_forward": [True, False]}}},

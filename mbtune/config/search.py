@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from mbtune.config.model_options import did_you_mean
 from mbtune.config.rules import (
     SIZE,
     Bounds,
@@ -134,15 +135,18 @@ def _check_choices(values: Any, where: str, choices: tuple[Any, ...]) -> None:
         return
     spelled = [str(c).lower() for c in choices]  # as YAML writes them
     given = list(values) if isinstance(values, tuple) else values
-    if (
-        not isinstance(values, tuple)
-        or not values
-        or not all(any(v is c or (v == c and type(v) is type(c)) for c in choices) for v in values)
-    ):
+    wrong = [v for v in (values if isinstance(values, tuple) else ())
+             if not any(v is c or (v == c and type(v) is type(c)) for c in choices)]  # fmt: skip
+    if not isinstance(values, tuple) or not values or wrong:
+        which = ""
+        if wrong:  # a list with a value that is no choice: name it, and what it is near
+            hint = did_you_mean(wrong[0], spelled)
+            named = f"; {show(wrong[0])} is not one of them{hint}"
+            which = hint if len(wrong) == len(values) else named
         raise ConfigError(
             where,
             f"expected {' or '.join(spelled)}, or a list of them such as "
-            f"[{', '.join(spelled)}], got {show(given)}",
+            f"[{', '.join(spelled)}], got {show(given)}{which}",
         )
 
 
