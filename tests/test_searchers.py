@@ -549,6 +549,11 @@ def test_every_way_a_search_ends_is_one_sentence():
                             "(search.max_repeats 5)")  # fmt: skip
     never = say(status="finished", measured=6, target=100)
     assert never.endswith("(search.confidence_target 100: it never stops on confidence)")
+    # nothing ran ok, and a failed configuration is not tried again: no repeats to blame
+    failed = model.assess([Observation(c, "error") for c in points])
+    assert end_reason(failed, **common, status="finished") == (
+        "every configuration was tried, and none ran ok (see each trial's reason)"
+    )
     # a rival named by its settings too, where the space searches them: else "m = 4" would
     # name the recommendation itself
     points = tuple(BatchConfig(32, 2, m, grad_sync=s) for m in (2, 4) for s in ("last", "every"))
