@@ -99,6 +99,18 @@ def test_the_speedup_is_of_the_estimates_the_recommendation_ranks_by():
     assert rec == (2, 8) and last.estimated_performance == round(est[rec] / est[2, 4], 2)
 
 
+def test_a_sharded_searchs_stream_names_its_settings_as_its_trial_lines_do():
+    from mbtune.analysis.watch import _recommendation_line
+    from mbtune.recommend.confidence import SearchModel
+
+    model = SearchModel(tuple(p.canonical() for p in POINTS), sharded=True)
+    rec = Reporter(model).update([row(2, 8, 500.0)], [])
+    assert "batch_size: 32, fsdp, reshard_after_forward true, grad_sync last), " in rec.line()
+    assert rec.record()["sharding"] == "fsdp"  # and mbtune watch reads it back
+    assert _recommendation_line(rec.record()) == rec.line().split("\n")[0]
+    assert "sharding" not in Reporter(POINTS).update([row(2, 8, 500.0)], []).record()
+
+
 @pytest.mark.parametrize(
     ("user", "says"),
     [

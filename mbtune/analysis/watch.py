@@ -94,6 +94,7 @@ def _recommendation_line(rec: Mapping[str, Any]) -> str:
         confidence=int(rec["confidence"]),
         precision=rec.get("precision"),
         mfu=rec.get("mfu"),
+        sharding=rec.get("sharding"),
     )
 
 

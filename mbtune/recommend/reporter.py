@@ -51,6 +51,8 @@ class StreamRecommendation:
     confidence: int
     precision: str | None = None
     """The arithmetic the recommended configuration was measured with."""
+    sharding: str | None = None
+    """``fsdp`` where the trials shard (its settings are then named); None: they do not."""
     mfu: float | None = None
     tie: dict[str, Any] | None = None
     """Where the search cannot tell its contenders apart: the tie's record
@@ -75,6 +77,7 @@ class StreamRecommendation:
             "estimated_performance": self.estimated_performance,
             "confidence": self.confidence,
             "precision": self.precision,
+            **({"sharding": self.sharding} if self.sharding else {}),
             "mfu": self.mfu,
             **({"tie": self.tie} if self.tie else {}),
             "ranking": list(self.ranking),
@@ -90,6 +93,7 @@ class StreamRecommendation:
             confidence=self.confidence,
             precision=self.precision,
             mfu=self.mfu,
+            sharding=self.sharding,
         )
         base = f"\n{base_line(self.yours)}" if self.opens else ""
         return line + base + (f"\nmbtune: {tie_line(self.tie, self.drift)}" if self.tie else "")
@@ -143,6 +147,7 @@ class Reporter:
             estimated_performance=round(value / base, 2),
             confidence=a.confidence,
             precision=best.precision,
+            sharding="fsdp" if self.model.sharded else None,
             mfu=_float(best.mfu),
             tie=a.tie.record() if a.tie else None,
             drift=a.drift,

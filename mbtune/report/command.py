@@ -116,7 +116,7 @@ def experiment_lines(exp: Experiment) -> list[tuple[str, str]]:
         f"replay of {tr.table}" + (f" with {tr.noise:.0%} noise" if tr.noise else "")
         if tr.backend == "replay"
         else f"torch on {tr.device}, compile {'on' if tr.compile else 'off'}, "
-        f"parallel {tr.parallel}"
+        f"parallel {tr.parallel}" + f", sharding {tr.sharding}" * (tr.sharding != "none")
     )
     budget = f"up to {s.num_samples} trials" + (
         f" or {s.time_budget_s:g} s" if s.time_budget_s else ""

@@ -189,11 +189,12 @@ def stream_line(
     confidence: int,
     precision: str | None,
     mfu: float | None,
+    sharding: str | None = None,
 ) -> str:
     """The stream's recommendation after a trial; ``made_at``: when, ISO (its clock is
-    shown)."""
+    shown); ``sharding``: ``fsdp`` where the trials shard, whose settings are then named."""
     c = config
-    step = step_suffix(precision, *c.settings)
+    step = step_suffix(precision, *c.settings, sharding=sharding)
     shown_mfu = f", MFU {mfu:.0%}" if mfu is not None else ""
     return (
         f"mbtune {made_at[-8:]}  recommended micro_batch_size: {c.micro_batch_size} "
