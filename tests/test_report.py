@@ -183,6 +183,11 @@ def test_the_summary_of_a_search():
         "  it compiles 0.3 s slower than micro_batch_size 16 on 2 device(s), and pays off "
         "after 1 training step"
     ]
+    # the drift the score allowed for: what the repeats showed beyond their steps' noise
+    drift = {"relative": 0.029, "repeats": 2, "prior": 0.035}
+    lines = report.summary_lines(rows, {**summary, "drift": drift}, Path("runs/x"))
+    assert lines[2] == ("  measured once; drift between trials 2.9% beyond the steps' own noise, "
+                        "estimated from 2 repeats (prior 3.5%)")  # fmt: skip
     nothing = {"recommended": None}
     assert report.summary_lines(rows, nothing, Path("r")) == [
         "mbtune: 2 trials finished (1 not ok); results in r",

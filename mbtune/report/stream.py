@@ -115,10 +115,10 @@ def _measurements_line(summary: Mapping[str, Any]) -> str:
     drift = summary.get("drift")
     if not drift:
         return f"  measured {times}{why}"
-    if drift["repeats"]:
+    if drift["repeats"]:  # the spread of repeats beyond their steps' own (docs/confidence.md)
         learnt = (
-            f"{drift['relative']:.1%}, estimated from {plural(drift['repeats'], 'repeat')} "
-            f"(prior {drift['prior']:.1%})"
+            f"{drift['relative']:.1%} beyond the steps' own noise, estimated from "
+            f"{plural(drift['repeats'], 'repeat')} (prior {drift['prior']:.1%})"
         )
     else:
         learnt = f"{drift['prior']:.1%} assumed (search.noise_floor): nothing was measured twice"
