@@ -526,6 +526,18 @@ def test_the_record_is_every_column_of_trials_csv():
     assert fields == [*CSV_COLUMNS, "extras"]
 
 
+def test_the_pivot_of_a_split_model_names_each_layout_as_the_table_of_the_best(tmp_path):
+    rows = [trial_row(32, 4, 4, 600.0),
+            trial_row(32, 4, 4, 700.0, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b"),
+            trial_row(32, 4, 4, 650.0, tensor_parallel=2)]  # fmt: skip
+    path = make_run(tmp_path, rows)
+    report = analysis.run_report(load_run(path), run_info(path))
+    header = report.split("(a configuration's fastest measurement):\n")[1].splitlines()[0]
+    assert header.split("  ") == [  # no schedule where nothing is pipelined
+        "micro_batch_size", "num_devices 4, t x p 1x1", "num_devices 4, t x p 1x2 "
+        "interleaved_1f1b", "num_devices 4, t x p 2x1"]  # fmt: skip
+
+
 def test_a_record_writes_the_row_the_trial_reported_byte_for_byte(tmp_path):
     """trials.csv's format is as before: a record writes the cells the result's own
     values wrote (a whole number stays whole, a list is space-separated)."""

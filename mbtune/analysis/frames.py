@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -333,10 +333,7 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
     if len(ok):
         pivot = status_pivot(trials)
         names = pivot.columns.names
-        pivot.columns = [
-            ", ".join(f"{name} {v}" for name, v in zip(names, c if apart else (c,), strict=True))
-            for c in pivot.columns
-        ]
+        pivot.columns = [_column_label(names, c if apart else (c,)) for c in pivot.columns]
         several = ", the best over batch sizes" if trials["batch_size"].nunique() > 1 else ""
         sections.append((f"samples/s by micro_batch_size x num_devices (a configuration's "
                          f"fastest measurement{several})",
@@ -353,6 +350,19 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
         lines.append(f"**{title}**\n" if fmt == "markdown" else f"{title}:")
         lines.append(render_table(view, fmt, floats=floats).rstrip("\n"))
     return "\n".join(lines) + "\n"
+
+
+def _column_label(names: Sequence[str], values: Sequence[Any]) -> str:
+    """A pivot column's name: 'num_devices 4, t x p 1x2 interleaved_1f1b' (the layout as the
+    table of the best writes it, a schedule only where there is a pipeline), then any other
+    dimension the run varied by its name."""
+    left = dict(zip(names, values, strict=True))
+    words = [f"num_devices {left.pop('num_devices')}"]
+    if {"tensor_parallel", "pipeline_parallel", "pipeline_schedule"} & set(left):
+        t, p = left.pop("tensor_parallel", 1), left.pop("pipeline_parallel", 1)
+        schedule = left.pop("pipeline_schedule", "1f1b")
+        words.append(f"t x p {t}x{p}" + f" {schedule}" * (int(p) > 1))
+    return ", ".join([*words, *(f"{k} {v}" for k, v in left.items())])
 
 
 def _ranked_view(ok: pd.DataFrame, info: RunInfo, apart: list[str]) -> pd.DataFrame:
