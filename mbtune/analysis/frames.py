@@ -26,8 +26,9 @@ import pandas as pd
 
 from mbtune.config.trial import STATUSES
 from mbtune.errors import MbtuneError
-from mbtune.lattice import BatchConfig, LatticeError
+from mbtune.lattice import LAYOUT, BatchConfig, LatticeError
 from mbtune.report import recommended_line, sizes, step_suffix
+from mbtune.report.words import layout_cell
 from mbtune.runs.load import RunInfo
 from mbtune.runs.record import CONFIG_KEY, SIZES
 from mbtune.runs.rundir import SUMMARY_FILE
@@ -354,14 +355,11 @@ def run_report(trials: pd.DataFrame, info: RunInfo, fmt: str = "table") -> str:
 
 def _column_label(names: Sequence[str], values: Sequence[Any]) -> str:
     """A pivot column's name: 'num_devices 4, t x p 1x2 interleaved_1f1b' (the layout as the
-    table of the best writes it, a schedule only where there is a pipeline), then any other
-    dimension the run varied by its name."""
+    table of the best writes it, where the run split the model), then the other dimensions."""
     left = dict(zip(names, values, strict=True))
+    split = [left.pop(k, d) for k, d in zip(LAYOUT, (1, 1, "1f1b"), strict=True)]
     words = [f"num_devices {left.pop('num_devices')}"]
-    if {"tensor_parallel", "pipeline_parallel", "pipeline_schedule"} & set(left):
-        t, p = left.pop("tensor_parallel", 1), left.pop("pipeline_parallel", 1)
-        schedule = left.pop("pipeline_schedule", "1f1b")
-        words.append(f"t x p {t}x{p}" + f" {schedule}" * (int(p) > 1))
+    words += [f"t x p {layout_cell(*split)}"] * bool(set(LAYOUT) & set(names))
     return ", ".join([*words, *(f"{k} {v}" for k, v in left.items())])
 
 

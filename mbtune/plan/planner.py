@@ -30,7 +30,7 @@ from mbtune.plan.fit import DRAWS, StepModel, fit_step_model, observations
 from mbtune.plan.layout import activations_of
 from mbtune.plan.nccl import plan_links
 from mbtune.recommend.confidence import MAX_SCORE, TOLERANCE
-from mbtune.report.words import layout
+from mbtune.report.words import layout, layout_cell
 from mbtune.runs.record import TrialRecord
 
 __all__ = [
@@ -447,8 +447,7 @@ def plan_lines(plan: Plan) -> list[str]:
     for row, layouts in zip(plan.rows, plan.layouts, strict=True):
         for other in layouts if split else (row,):
             c = other.config
-            t, pp, schedule = c.layout
-            tp = f"{t}x{pp}" + f" {schedule}" * (pp > 1)
+            tp = layout_cell(*c.layout)
             devices = c.num_devices if other is row else ""
             lines.append(
                 f"  {devices:>7}  " + f"{tp:>22}  " * split + f"{c.batch_size:>6}  "

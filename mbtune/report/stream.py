@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mbtune.lattice import SETTINGS, BatchConfig
 from mbtune.report.words import (
     layout,
+    layout_cell,
     plural,
     shown_columns,
     sizes,
@@ -149,8 +150,7 @@ def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:
     beside the measured samples/s (every look's geometric mean)."""
     configs = [BatchConfig.from_mapping(r) for r in top]
     split = any(c.layout[:2] != (1, 1) for c in configs)  # then a column: t x p (schedule)
-    layouts = [f"{t}x{p}" + f" {schedule}" * (p > 1) for t, p, schedule in
-               (c.layout for c in configs)]  # fmt: skip
+    layouts = [layout_cell(*c.layout) for c in configs]
     wide = max([len("t x p"), *map(len, layouts)])
     shown = shown_columns(configs, SETTINGS)  # and the settings of a step off their default
     lines = [

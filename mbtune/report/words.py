@@ -44,6 +44,12 @@ def layout(config: BatchConfig, sep: str) -> str:
     )
 
 
+def layout_cell(t: int, p: int, schedule: str) -> str:
+    """A model's split in a table's cell: '2x2 interleaved_1f1b' (t x p, the schedule only
+    where there is a pipeline)."""
+    return f"{t}x{p}" + f" {schedule}" * (int(p) > 1)
+
+
 def plural(count: int, word: str, suffix: str = "s") -> str:
     return f"{count} {word}{suffix if count != 1 else ''}"
 
