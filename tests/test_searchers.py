@@ -552,7 +552,7 @@ def test_every_way_a_search_ends_is_one_sentence():
     # nothing ran ok, and a failed configuration is not tried again: no repeats to blame
     failed = model.assess([Observation(c, "error") for c in points])
     assert end_reason(failed, **common, status="finished") == (
-        "every configuration was tried, and none ran ok (see each trial's reason)"
+        "no configuration is left to try, and none ran ok (see each trial's reason)"
     )
     # a rival named by its settings too, where the space searches them: else "m = 4" would
     # name the recommendation itself

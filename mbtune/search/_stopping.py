@@ -273,7 +273,7 @@ def end_reason(
         ran_out = f"the trial budget (search.num_samples {budget}) ran out"
         more = "raise search.num_samples"
     elif a.recommended is None:  # a failed configuration is not tried again
-        return "every configuration was tried, and none ran ok (see each trial's reason)"
+        return "no configuration is left to try, and none ran ok (see each trial's reason)"
     else:
         ran_out = (f"every configuration was measured as often as the search may "
                    f"(search.max_repeats {max_repeats})")  # fmt: skip
