@@ -170,8 +170,8 @@ def test_the_summary_of_a_search():
     assert table == [
         "     2            2          32                16           1       600.0           -"
         "       0.6*",
-        "  * every graph loaded from torch's compile cache (a shape an earlier trial or run "
-        "compiled): a load, not a compile",
+        "  * its graphs came from torch's compile cache (compiled by an earlier trial or run): "
+        "less than a cold compile",
     ]
     # a compile difference that would print as 0.0 s is left out; one step is one step
     summary["compile_break_even"] = [

@@ -169,13 +169,17 @@ def test_a_configuration_measured_again_keeps_the_compile_time_of_its_first_look
     assert even["against"]["micro_batch_size"] == 8 and even["extra_compile_s"] == 10.0
 
 
-def test_a_compile_time_that_was_a_cache_load_is_no_compile_to_weigh():
+def test_a_compile_time_from_the_cache_is_weighed_against_its_like_only():
     # (1, 8) loaded every graph (2, 8) compiled (the same micro-batch shape): its 0.6 s
-    # makes no break-even against (2, 8)'s 20 s; (1, 32) compiled its own
+    # makes no break-even against (2, 8)'s cold 20 s; (1, 32) compiled its own
     rows = [row(2, 8, 500.0, compile_s=20.0), row(1, 8, 400.0, compile_s=0.6,
             compile_from_cache=True), row(1, 32, 200.0, compile_s=5.0)]  # fmt: skip
     s = Reporter(POINTS).summary(rows, "finished")
     assert [b["against"]["micro_batch_size"] for b in s["compile_break_even"]] == [32]
+    # a run whose every graph came from the cache weighs its loads against each other
+    warm = [dataclasses.replace(r, compile_from_cache=True) for r in rows]
+    even = Reporter(POINTS).summary(warm, "finished")["compile_break_even"]
+    assert [b["against"]["micro_batch_size"] for b in even] == [8, 32]
     top = [(t["num_devices"], t["micro_batch_size"], t["compile_from_cache"]) for t in s["top"]]
     assert top == [(2, 8, False), (1, 8, True), (1, 32, False)]
     # a configuration with a look that compiled keeps that look's time

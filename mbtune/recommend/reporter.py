@@ -231,16 +231,20 @@ def _break_even(best: Pooled, top: Sequence[Pooled], a: Assessment) -> list[dict
     """For each top configuration that compiles faster than the recommendation: the
     training steps after which the recommendation's higher throughput (as the model
     estimates both, where it does) has paid back its longer compile (None: it never does,
-    as the other is not slower). Compile times that were loads from torch's compile cache
-    are no compile to weigh: such a configuration is left out."""
+    as the other is not slower). Like with like: a compile time whose graphs came from
+    torch's compile cache is weighed against another such only (a cold compile against a
+    load would count the cache's saving as the configuration's)."""
     out: list[dict[str, Any]] = []
     compile_best, speed_best = _float(best.record.compile_s), _speed(best, a)
-    if compile_best is None or not speed_best or best.record.compile_from_cache:
+    if compile_best is None or not speed_best:
         return out
+    cached = bool(best.record.compile_from_cache)
     for other in top:
         r = other.record
         compile_other, speed_other = _float(r.compile_s), _speed(other, a)
-        if other is best or compile_other is None or not speed_other or r.compile_from_cache:
+        if other is best or compile_other is None or not speed_other:
+            continue
+        if bool(r.compile_from_cache) != cached:
             continue
         extra_s = compile_best - compile_other
         if extra_s <= 0:
@@ -336,8 +340,8 @@ class Pooled:
     """The last one's record, its throughput (samples/s, objective, TFLOP/s, MFU) the
     geometric mean over all of them and its compile time the longest of those that
     compiled: a look that loaded every graph from torch's on-disk cache (a second look, or
-    a shape another configuration compiled) took the cache's time, not the
-    configuration's, and counts only where no look compiled (``compile_from_cache``)."""
+    a shape another configuration compiled) took less than a cold compile, and counts only
+    where no look compiled (``compile_from_cache``)."""
     measurements: int
     """How many ok trials measured it."""
 

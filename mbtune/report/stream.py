@@ -102,8 +102,8 @@ def summary_lines(
     lines.append("best configurations:")
     lines += _top_table(summary["top"])
     if any(r.get("compile_from_cache") for r in summary["top"]):
-        lines.append(f"  {CACHED_MARK} every graph loaded from torch's compile cache (a shape an "
-                     "earlier trial or run compiled): a load, not a compile")  # fmt: skip
+        lines.append(f"  {CACHED_MARK} its graphs came from torch's compile cache (compiled by an "
+                     "earlier trial or run): less than a cold compile")  # fmt: skip
     return lines
 
 
@@ -141,7 +141,7 @@ def _break_even_line(b: Mapping[str, Any]) -> str:
 
 
 CACHED_MARK = "*"
-"""Beside a compile time that was a load from torch's compile cache."""
+"""Beside a compile time whose graphs came from torch's compile cache."""
 
 
 def _top_table(top: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -166,7 +166,7 @@ COLUMNS: tuple[Column, ...] = (
     Column(
         "compile_from_cache", "bool", "",
         "every graph came from torch's on-disk compile cache (a shape an earlier trial or run "
-        "compiled): `compile_s` is the cache's load, not a compile",
+        "compiled): `compile_s` is less than a cold compile",
     ),
     Column(
         "compile_fallback", "text", "",

@@ -64,9 +64,9 @@ cache: a graph loaded, compiled and written, or compiled without it."""
 class CompileWatch(logging.Handler):
     """What the compiles did while it watched: torch._dynamo's warning that it hit the
     recompile limit and ran eager (``reason``), and inductor's graph cache (``from_cache``:
-    every graph loaded from torch's on-disk cache, none compiled, where the trial's compile
-    time is the cache's load, not the configuration's compile: a shape an earlier trial of
-    the same run compiled, or a run before it)."""
+    every graph loaded from torch's on-disk cache, none compiled by inductor: a shape an
+    earlier trial of the same run compiled, or a run before it; the trial's compile time is
+    then less than a cold compile, though dynamo's tracing is still in it)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

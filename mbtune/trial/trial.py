@@ -109,8 +109,8 @@ class TrialResult:
     compile_fallback: str | None = None
     """Why compilation silently fell back to eager (recompile limit), if it did."""
     compile_from_cache: bool = False
-    """``compile_s`` loaded every graph from torch's on-disk compile cache (a shape an
-    earlier trial compiled): it is the cache's time, not the configuration's compile."""
+    """Every graph of ``compile_s`` came from torch's on-disk compile cache (a shape an
+    earlier trial or run compiled): less than a cold compile."""
     flops_per_sample: float | None = None
     """Model FLOPs of one sample's step (mbtune.trial.flops: 3 x the counted forward pass)."""
     tflops_per_s: float | None = None
