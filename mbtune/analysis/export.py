@@ -165,17 +165,14 @@ def export_config(
     sync_every = fsdp and config.grad_sync == "every"
     bf16, fp16, tf32 = (precision == p for p in ("bf16", "fp16", "tf32"))
     comment = f"# {header}\n" if header else ""
-    # a framework that trains no pipeline (or, Cerebras, no split at all) is exported
-    # without it (layout_notes says so): it launches what it trains
-    staged = p if framework in ("megatron", "nemo", "torchtitan", "deepspeed") else 1
-    ranks = 1 if framework == "cerebras" else t
+    ranks, staged = split.kept_layout(framework, t, p)  # launched as it trains
     launch = f"launch on {n} data-parallel device{'s' if n > 1 else ''}"
     if ranks * staged > 1:
         launch = (
             f"launch on {n * ranks * staged} devices: "
             f"{split.layout_words(n, ranks, staged, schedule)}"
         )
-    if framework not in ("megatron", "nemo", "torchtitan"):
+    if framework not in split.SPLITTERS:
         notes += split.layout_notes(framework, n, t, p, schedule, fsdp=fsdp)
     if framework == "accelerate":
         text, more = _accelerate(

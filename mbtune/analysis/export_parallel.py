@@ -17,7 +17,9 @@ from __future__ import annotations
 from mbtune.lattice import stages_per_rank
 
 __all__ = [
+    "SPLITTERS",
     "TORCHTITAN_SCHEDULES",
+    "kept_layout",
     "layout_notes",
     "layout_words",
     "megatron",
@@ -33,8 +35,19 @@ TORCHTITAN_SCHEDULES = {
 """mbtune's schedules by torchtitan's ``pipeline_parallel_schedule`` names (torch's
 ``get_schedule_class``)."""
 
-_SPLITTERS = "megatron, nemo or torchtitan"
-"""The exports that split a model as mbtune measured it."""
+SPLITTERS = ("megatron", "nemo", "torchtitan")
+"""The exports that split a model as mbtune measured it, by their own arguments."""
+_SPLITTERS = f"{', '.join(SPLITTERS[:-1])} or {SPLITTERS[-1]}"  # in a note's words
+
+
+def kept_layout(framework: str, t: int, p: int) -> tuple[int, int]:
+    """The tensor- and pipeline-parallel sizes ``framework``'s export trains, which it is
+    launched with (:func:`layout_notes` says what it leaves): every split in the
+    :data:`SPLITTERS` and DeepSpeed (its PipelineModule), none on Cerebras (a CS-X holds
+    each layer whole), the tensor-parallel one alone elsewhere (no pipeline)."""
+    if framework == "cerebras":
+        return 1, 1
+    return t, p if framework in (*SPLITTERS, "deepspeed") else 1
 
 
 def layout_words(d: int, t: int, p: int, schedule: str) -> str:

@@ -377,7 +377,7 @@ def _ranked_view(ok: pd.DataFrame, info: RunInfo, apart: list[str]) -> pd.DataFr
     view["step_time_ms_iqr"] = ok["step_time_ms_iqr"]
     if ok["compile_s"].notna().any():
         view["compile_s"] = ok["compile_s"]
-        if ok["compile_from_cache"].fillna(False).astype(bool).any():  # some were loads
+        if ok["compile_from_cache"].any():  # some came from the compile cache
             view["compile_from_cache"] = ok["compile_from_cache"]
     if ok["peak_memory_bytes"].notna().any():
         view["peak_memory_mib"] = ok["peak_memory_bytes"] / 2**20

@@ -106,9 +106,8 @@ def throughput_figure(trials: pd.DataFrame, *, title: str) -> Figure:
     if len(ok):
         best = ok.iloc[0]
         estimate = best.get("estimated_samples_per_s")
-        key = ok[list(CONFIG_KEY)].astype(str).agg("|".join, axis=1)  # NaN equal to NaN
-        same = ok[key == key.iloc[0]]
-        value = same["samples_per_s"].median() if pd.isna(estimate) else estimate
+        line = ok.groupby(list(CONFIG_KEY), dropna=False, sort=False)["samples_per_s"].median()
+        value = line.iloc[0] if pd.isna(estimate) else estimate  # best's: the first group
         ax.plot(
             [best["micro_batch_size"]], [value], "*", color="gold", markersize=16,
             markeredgecolor="black", zorder=5,
